@@ -1,0 +1,141 @@
+"""The `ecomla convert` recipe: what to convert, to which MLA shape, initialized how.
+
+Every key is documented here and printed by `ecomla convert --help`. Checks
+that need the source checkpoint (r_kv against the hidden size, d_r against
+the head dim) run in `ecomla.convert.plan` before anything is computed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from ecomla.mla.rope import RopeDims
+from ecomla.recipe.schema import knob
+
+
+@dataclass
+class TextSource:
+    """A text dataset used for calibration or evaluation."""
+
+    dataset: str = knob(
+        help="Local .jsonl/.json/.txt/.parquet file or directory (relative to the working directory), "
+        "or a hub dataset name when online"
+    )
+    text_field: str = knob("text", help="Field holding the document text (.jsonl/.parquet)")
+    split: str = knob("train", help="Split to read from a hub dataset")
+
+
+@dataclass
+class CalibrationConfig(TextSource):
+    """Calibration tokens (for fitting) and held-out tokens (for the report) from one source."""
+
+    num_tokens: int = knob(65536, help="Tokens used to fit the latent (rounded down to whole sequences)")
+    seq_len: int = knob(256, help="Sequence length of calibration and held-out blocks")
+    heldout_tokens: int = knob(
+        16384, help="Tokens after the calibration ones, never fitted on: reconstruction error and perplexity"
+    )
+    heldout: TextSource | None = knob(
+        None, help="A separate held-out source; null cuts held-out blocks from `dataset` after the calibration ones"
+    )
+    batch_size: int = knob(8, help="Sequences per forward pass while walking the source layer by layer")
+
+    def check(self) -> list[str]:
+        problems = []
+        if self.seq_len < 2:
+            problems.append("seq_len: must be at least 2")
+        elif self.num_tokens < self.seq_len:
+            problems.append(f"num_tokens: {self.num_tokens} is less than one sequence (seq_len={self.seq_len})")
+        if self.heldout_tokens < 0:
+            problems.append("heldout_tokens: must be >= 0")
+        if self.batch_size < 1:
+            problems.append("batch_size: must be >= 1")
+        return problems
+
+
+@dataclass
+class MLAConfig:
+    """Shape of the MLA attention written into the stock DeepSeek-V3 config."""
+
+    kv_lora_rank: int | None = knob(
+        None, help="r_kv, the latent width cached per token and layer; set this or target_compression"
+    )
+    target_compression: float | None = knob(
+        None, help="KV compression ratio to reach (e.g. 10.67); r_kv is derived as round(2·n_kv·d_h/ratio − d_r)"
+    )
+    rank_allocation: Literal["uniform", "energy"] = knob(
+        "uniform",
+        help="uniform: r_kv in every layer. energy: the same total spread over layers by singular-value energy "
+        "(stock DeepSeek-V3 has one kv_lora_rank, so narrower layers are zero-padded: the report gives both ratios)",
+    )
+    qk_rope_head_dim: int | None = knob(None, help="d_r, width of the shared RoPE key; null = half the source head dim")
+    rope_dims: RopeDims = knob(
+        "last",
+        help="Which head dims keep RoPE: last (X-EcoMLA, fresh RoPE), high/low/uniform (MHA2MLA frequency subsets, "
+        "original frequencies kept where stock RoPE can express them), norm (2-norm ranking; needs calibration)",
+    )
+    q_lora_rank: int | None = knob(
+        None, help="null: full q_proj. An int: low-rank query q_a_proj -> q_a_layernorm -> q_b_proj, SVD-initialized"
+    )
+    rope_interleave: bool = knob(
+        True, help="Lay RoPE dims out interleaved, as DeepSeek-V3 checkpoints and serving engines expect"
+    )
+    energy_multiple: int = knob(8, help="rank_allocation=energy: per-layer ranks are multiples of this")
+
+    def check(self) -> list[str]:
+        problems = []
+        if (self.kv_lora_rank is None) == (self.target_compression is None):
+            problems.append("kv_lora_rank: set exactly one of mla.kv_lora_rank and mla.target_compression")
+        if self.kv_lora_rank is not None and self.kv_lora_rank < 1:
+            problems.append("kv_lora_rank: must be >= 1")
+        if self.target_compression is not None and self.target_compression <= 1:
+            problems.append("target_compression: must be > 1 (it is a compression ratio)")
+        if self.qk_rope_head_dim is not None and (self.qk_rope_head_dim < 2 or self.qk_rope_head_dim % 2):
+            problems.append(f"qk_rope_head_dim: must be even and >= 2 (RoPE rotates pairs), got {self.qk_rope_head_dim}")
+        if self.q_lora_rank is not None and self.q_lora_rank < 1:
+            problems.append("q_lora_rank: must be >= 1 or null")
+        if self.energy_multiple < 1:
+            problems.append("energy_multiple: must be >= 1")
+        return problems
+
+
+@dataclass
+class InitConfig:
+    """How the latent projections are initialized."""
+
+    method: Literal["svd", "activation", "random"] = knob(
+        "svd",
+        help="svd: X-EcoMLA joint SVD of the no-RoPE key and value rows (no data). activation: fit the latent to "
+        "real key/value activations of the calibration tokens. random: stock initializer (baseline)",
+    )
+    calibration: CalibrationConfig | None = knob(
+        None, help="Calibration data; needed by method=activation and rope_dims=norm, optional otherwise (adds "
+        "held-out reconstruction error and perplexity to the report)"
+    )
+    ridge: float = knob(1e-6, help="method=activation: ridge on the up-projection fit, relative to the mean eigenvalue")
+
+
+@dataclass
+class ConvertRecipe:
+    """`ecomla convert`: a Llama/Mistral/Qwen2 checkpoint to a stock DeepseekV3ForCausalLM checkpoint."""
+
+    model: str = knob(help="Source checkpoint: a local directory, or a hub name when online")
+    output_dir: str = knob(help="Where the converted checkpoint is written (must not exist unless --force)")
+    mla: MLAConfig = knob(default_factory=MLAConfig, help="MLA shape")
+    init: InitConfig = knob(default_factory=InitConfig, help="Initialization of the latent projections")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = knob(
+        "auto", help="Output weight dtype; auto keeps the source's"
+    )
+    device: str = knob("auto", help="Where to compute: auto (cuda if available), cpu, cuda, cuda:1, ...")
+    seed: int = knob(0, help="Seed for method=random")
+
+    def check(self) -> list[str]:
+        problems = []
+        needs = []
+        if self.init.method == "activation":
+            needs.append("init.method=activation")
+        if self.mla.rope_dims == "norm":
+            needs.append("mla.rope_dims=norm")
+        if needs and self.init.calibration is None:
+            problems.append(f"init.calibration: {' and '.join(needs)} need calibration data; set init.calibration.dataset")
+        return problems

@@ -1,0 +1,57 @@
+"""Human-readable summary of a `conversion_report.json`, printed at the end of `ecomla convert`."""
+
+from __future__ import annotations
+
+from ecomla.mla.budget import format_ratio
+
+
+def _fmt(x: float | None, spec: str = ".4f") -> str:
+    return "-" if x is None or x != x else format(x, spec)
+
+
+def summary_lines(report: dict) -> list[str]:
+    kv = report["kv_elements_per_token_per_layer"]
+    after = kv["after"]
+    lines = [
+        f"converted {report['source']} ({report['source_family']}) -> {report['output_dir']}",
+        f"  init: {report['init_method']}   kv_lora_rank: {report['kv_lora_rank']}   "
+        f"qk_rope_head_dim: {report['qk_rope_head_dim']}   q_lora_rank: {report['q_lora_rank']}",
+        f"  KV per token and layer: {kv['before']} -> {min(after)}"
+        + (f"..{max(after)}" if min(after) != max(after) else "")
+        + f"   compression: {format_ratio(report['compression_ratio'])}",
+    ]
+    if abs(report["stock_cache_compression_ratio"] - report["compression_ratio"]) > 1e-9:
+        lines.append(
+            f"  note: per-layer ranks are zero-padded to one kv_lora_rank in stock DeepSeek-V3; "
+            f"its cache compresses {format_ratio(report['stock_cache_compression_ratio'])}"
+        )
+    p = report["params"]
+    lines.append(f"  params: {p['before'] / 1e6:.2f}M -> {p['after'] / 1e6:.2f}M")
+    rope = report["rope"]
+    lines.append(
+        f"  RoPE: {rope['rope_dims']}, {rope['rope_parameters'].get('rope_type', 'default')} "
+        f"theta={rope['rope_parameters']['rope_theta']:.6g}, "
+        + ("original frequencies kept exactly" if rope["exact"] else "frequencies not the source's (fresh or fitted RoPE)")
+    )
+    layers = report["layers"]
+    has_err = "heldout_key_rel_error" in layers[0]
+    head = f"  {'layer':>5} {'r_kv':>5} {'energy':>7}" + (f" {'K err':>7} {'V err':>7}" if has_err else "")
+    lines.append(head)
+    for e in layers:
+        row = f"  {e['layer']:>5} {e['kv_lora_rank']:>5} {_fmt(e['kv_weight_energy_kept'], '7.4f')}"
+        if has_err:
+            row += f" {_fmt(e['heldout_key_rel_error'], '7.4f')} {_fmt(e['heldout_value_rel_error'], '7.4f')}"
+        lines.append(row)
+    held = report.get("heldout")
+    if held:
+        lines.append(
+            f"  held-out ({held['tokens']} tokens): perplexity {held['source_perplexity']:.3f} (source) -> "
+            f"{held['converted_perplexity']:.3f} (converted); KL {held['kl_source_to_converted']:.4f}; "
+            f"top-1 agreement {held['top1_agreement']:.1%}"
+        )
+    lines.append(f"  took {report['seconds']:.1f}s; report: {report['output_dir']}/conversion_report.json")
+    return lines
+
+
+def print_summary(report: dict) -> None:
+    print("\n".join(summary_lines(report)))

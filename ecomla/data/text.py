@@ -1,0 +1,82 @@
+"""Text sources and fixed-length token blocks.
+
+A text source is a local .jsonl/.json/.txt/.parquet file or a directory of
+them, read with Hugging Face `datasets` in streaming mode (nothing is cached),
+or a hub dataset name when the machine is online. `token_blocks` tokenizes
+documents in order, joins them with the EOS token and cuts (n, T) blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+_BUILDERS = {".jsonl": "json", ".json": "json", ".txt": "text", ".parquet": "parquet"}
+
+
+class DataError(ValueError):
+    """A dataset is missing, empty, or too small for what was asked."""
+
+
+def _local_files(path: Path) -> tuple[str, list[str]]:
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in _BUILDERS)
+    if not files:
+        raise DataError(f"{path}: no .jsonl/.json/.txt/.parquet files found")
+    builders = {_BUILDERS.get(p.suffix) for p in files}
+    if None in builders:
+        raise DataError(f"{path}: unsupported file type (use .jsonl, .json, .txt or .parquet)")
+    if len(builders) > 1:
+        raise DataError(f"{path}: mixes file types {sorted(builders)}; keep one type per dataset")
+    return builders.pop(), [str(p) for p in files]
+
+
+def iter_texts(dataset: str, *, text_field: str = "text", split: str = "train") -> Iterator[str]:
+    """Documents of a local or hub dataset, in order."""
+    import datasets
+
+    path = Path(dataset).expanduser()
+    if path.exists():
+        builder, files = _local_files(path)
+        ds = datasets.load_dataset(builder, data_files=files, split="train", streaming=True)
+    else:
+        try:
+            ds = datasets.load_dataset(dataset, split=split, streaming=True)
+        except Exception as err:
+            raise DataError(
+                f"{dataset}: not a local file or directory, and loading it as a hub dataset failed "
+                f"({type(err).__name__}: {err})"
+            ) from err
+    field = "text" if path.exists() and path.suffix == ".txt" else text_field
+    for row in ds:
+        if field not in row:
+            raise DataError(f"{dataset}: rows have no '{field}' field (fields: {', '.join(row)}); set text_field")
+        text = row[field]
+        if text:
+            yield text
+
+
+def token_blocks(texts: Iterator[str], tokenizer, seq_len: int, num_blocks: int, *, skip_blocks: int = 0) -> torch.Tensor:
+    """(num_blocks, seq_len) token ids from consecutive documents joined by EOS.
+
+    The first `skip_blocks` blocks are dropped, so calibration and held-out
+    blocks cut from one stream never overlap.
+    """
+    eos = tokenizer.eos_token_id
+    need = (skip_blocks + num_blocks) * seq_len
+    buf: list[int] = []
+    for text in texts:
+        buf.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if eos is not None:
+            buf.append(eos)
+        if len(buf) >= need:
+            break
+    have = len(buf) // seq_len - skip_blocks
+    if have < num_blocks:
+        raise DataError(
+            f"the dataset yields {max(0, have) * seq_len} tokens after the first {skip_blocks * seq_len}, "
+            f"but {num_blocks * seq_len} were asked for; lower the token count or add data"
+        )
+    ids = torch.tensor(buf[skip_blocks * seq_len : need], dtype=torch.long)
+    return ids.view(num_blocks, seq_len)

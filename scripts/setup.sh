@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Set up ecomla in ./.venv on a CPU machine: the CPU build of torch, then the package with dev extras.
+#   bash scripts/setup.sh          # idempotent: reinstalls only when pyproject.toml changed
+# GPU users: install the torch build for your CUDA first, then `pip install -e .` yourself.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+. .venv/bin/activate
+stamp=.venv/.ecomla-setup
+want="$(sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  python -m pip install --quiet --upgrade pip
+  # Pinned CPU torch first, so nothing below pulls a multi-GB CUDA build.
+  python -m pip install --quiet "torch==2.13.0"
+  python -m pip install --quiet -e ".[dev]"
+  echo "$want" > "$stamp"
+fi
