@@ -19,104 +19,21 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass
-
 import torch
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
+from ecomla.convert.fit import make_fitter
+from ecomla.convert.metrics import heldout_metrics, kv_errors
 from ecomla.convert.plan import ConversionPlan, deepseek_config, output_rope, source_inv_freq, splits_for
-from ecomla.convert.recipe import CalibrationConfig
 from ecomla.convert.source import LayerRunner, rotary_embedding
-from ecomla.convert.to_mla import MLAGeometry, SourceAttention, convert_attention, kv_rows
-from ecomla.data.text import iter_texts, token_blocks
+from ecomla.convert.to_mla import MLAGeometry, convert_attention, kv_rows
+from ecomla.convert.walk import Calibration, embed, layer_tensors, load_calibration, normalized_input, source_attention
 from ecomla.io.checkpoint import AtomicCheckpointWriter
 from ecomla.mla import latent
 from ecomla.mla.budget import allocate_ranks, compression_ratio, mla_elements
 from ecomla.mla.rope import RopeSplit, pair_norm_scores
 from ecomla.recipe.schema import recipe_to_dict, save_recipe
-
-
-@dataclass
-class Calibration:
-    """Token blocks for fitting and for held-out measurement."""
-
-    fit: torch.Tensor  # (n_fit, T) token ids
-    heldout: torch.Tensor | None  # (n_held, T) token ids
-
-
-def load_calibration(cfg: CalibrationConfig, tokenizer) -> Calibration:
-    n_fit = cfg.num_tokens // cfg.seq_len
-    n_held = cfg.heldout_tokens // cfg.seq_len
-    texts = iter_texts(cfg.dataset, text_field=cfg.text_field, split=cfg.split)
-    if cfg.heldout is None:
-        blocks = token_blocks(texts, tokenizer, cfg.seq_len, n_fit + n_held)
-        return Calibration(blocks[:n_fit], blocks[n_fit:] if n_held else None)
-    fit = token_blocks(texts, tokenizer, cfg.seq_len, n_fit)
-    held = None
-    if n_held:
-        other = iter_texts(cfg.heldout.dataset, text_field=cfg.heldout.text_field, split=cfg.heldout.split)
-        held = token_blocks(other, tokenizer, cfg.seq_len, n_held)
-    return Calibration(fit, held)
-
-
-def normalized_input(hidden: torch.Tensor, eps: float) -> torch.Tensor:
-    """y = RMSNorm(h) without its gain, flattened to (N·T, d), float32."""
-    h = hidden.float()
-    return (h * torch.rsqrt(h.square().mean(-1, keepdim=True) + eps)).reshape(-1, h.shape[-1])
-
-
-def layer_tensors(plan: ConversionPlan, i: int) -> dict[str, torch.Tensor]:
-    """All source tensors of layer i, float32, names relative to the layer."""
-    prefix = f"model.layers.{i}."
-    return {
-        name[len(prefix) :]: plan.source.reader.get(name)
-        for name in sorted(plan.source.reader.names())
-        if name.startswith(prefix)
-    }
-
-
-def source_attention(t: dict[str, torch.Tensor]) -> SourceAttention:
-    return SourceAttention.fold_gain(
-        t["input_layernorm.weight"],
-        q_w=t["self_attn.q_proj.weight"],
-        k_w=t["self_attn.k_proj.weight"],
-        v_w=t["self_attn.v_proj.weight"],
-        o_w=t["self_attn.o_proj.weight"],
-        q_b=t.get("self_attn.q_proj.bias"),
-        k_b=t.get("self_attn.k_proj.bias"),
-        v_b=t.get("self_attn.v_proj.bias"),
-        o_b=t.get("self_attn.o_proj.bias"),
-    )
-
-
-def _augment(y: torch.Tensor, d_in: int) -> torch.Tensor:
-    """Append the constant-1 coordinate that carries a query bias when M has d + 1 columns."""
-    return y if y.shape[1] == d_in else torch.cat([y, torch.ones(y.shape[0], 1, dtype=y.dtype)], dim=1)
-
-
-def make_fitter(method: str, y: torch.Tensor | None, ridge: float, gen: torch.Generator, std: float):
-    """The latent fit of one layer: (M, rank, width) -> (Basis, up)."""
-
-    def fit(M: torch.Tensor, rank: int, width: int):
-        if method == "svd":
-            basis = latent.weight_basis(M, rank)
-            return basis, _pad_up(latent.up_from_weights(M, basis.rows, width), width)
-        if method == "activation":
-            ya = _augment(y, M.shape[1]).double()
-            basis = latent.activation_basis(M, latent.second_moment(ya), rank)
-            rows = torch.cat([basis.rows, basis.rows.new_zeros(width - rank, basis.rows.shape[1])])
-            return basis, latent.up_from_activations(M, rows, ya, ridge=ridge)
-        # random: the stock initializer, N(0, initializer_range), for both projections
-        rows = torch.randn(rank, M.shape[1], generator=gen, dtype=torch.float64) * std
-        up = torch.randn(M.shape[0], width, generator=gen, dtype=torch.float64) * std
-        return latent.Basis(rows=rows, spectrum=torch.zeros(0), energy_kept=float("nan")), up
-
-    return fit
-
-
-def _pad_up(up: torch.Tensor, width: int) -> torch.Tensor:
-    return up if up.shape[1] == width else torch.cat([up, up.new_zeros(up.shape[0], width - up.shape[1])], 1)
 
 
 class Converter:
@@ -138,10 +55,6 @@ class Converter:
         self.batch = cal.batch_size if cal is not None else 8
 
     # ---- walking the source on calibration tokens -------------------------------------------------
-    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
-        emb = self.plan.source.reader.get("model.embed_tokens.weight", dtype=None)
-        return emb[ids].float()
-
     def _prepass(self) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]:
         """Per-layer stats needed before any layer is converted: RoPE pair scores and KV spectra."""
         plan, mla = self.plan, self.plan.recipe.mla
@@ -151,11 +64,11 @@ class Converter:
             return None, None
         L = plan.shape.num_layers
         scores, spectra = [], []
-        hidden = self._embed(self.calib.fit) if self.calib is not None else None
+        hidden = embed(self.plan.source.reader, self.calib.fit) if self.calib is not None else None
         method = plan.recipe.init.method
         base_split = None if need_scores else splits_for(plan, None)[0]
         for i in tqdm(range(L), desc="prepass", disable=not self.progress):
-            t = layer_tensors(plan, i)
+            t = layer_tensors(plan.source.reader, i)
             src = source_attention(t)
             y = normalized_input(hidden, self.eps) if hidden is not None else None
             if need_scores:
@@ -215,8 +128,8 @@ class Converter:
         cvt_runner = LayerRunner(out_cfg, plan.device)
         gen = torch.Generator().manual_seed(recipe.seed)
         calib = self.calib
-        h_fit = self._embed(calib.fit) if calib is not None else None
-        h_src = self._embed(calib.heldout) if calib is not None and calib.heldout is not None else None
+        h_fit = embed(self.plan.source.reader, calib.fit) if calib is not None else None
+        h_src = embed(self.plan.source.reader, calib.heldout) if calib is not None and calib.heldout is not None else None
         h_cvt = h_src.clone() if h_src is not None else None
 
         layers_report = []
@@ -224,7 +137,7 @@ class Converter:
         with AtomicCheckpointWriter(recipe.output_dir, overwrite=self.force) as writer:
             bar = tqdm(range(L), desc="convert", unit="layer", disable=not self.progress)
             for i in bar:
-                t = layer_tensors(plan, i)
+                t = layer_tensors(plan.source.reader, i)
                 src = source_attention(t)
                 y_fit = normalized_input(h_fit, self.eps) if h_fit is not None else None
                 fitter = make_fitter(recipe.init.method, y_fit, recipe.init.ridge, gen, out_cfg.initializer_range)
@@ -336,53 +249,3 @@ class Converter:
         return report
 
 
-def kv_errors(geo: MLAGeometry, split: RopeSplit, src: SourceAttention, tensors: dict, y: torch.Tensor) -> tuple[float, float]:
-    """Held-out ‖K−K̂‖/‖K‖ and ‖V−V̂‖/‖V‖ over all query heads, pre-RoPE, in the output's dim order.
-
-    Keys include the RoPE part (the shared key against each head's own); both
-    exclude biases, which the conversion carries exactly.
-    """
-    y = y.double()
-    n, nope, d_h, r = geo.n_heads, geo.nope_dim, geo.head_dim, geo.kv_width
-    kv_a = tensors["kv_a_proj_with_mqa.weight"].double()
-    lat = latent.rms_normalize(y @ kv_a[:r].T)
-    kv_hat = (lat @ tensors["kv_b_proj.weight"].double().T).view(-1, n, nope + d_h)
-    kr_hat = (y @ kv_a[r:].T)[:, None].expand(-1, n, -1)
-    kv_true = (y @ kv_rows(geo, split, src, repeat=True).T).view(-1, n, nope + d_h)
-    kv_of = torch.arange(n) // geo.n_rep
-    kr_true = (y @ src.k_w.view(geo.n_kv, d_h, -1)[:, split.rope_rows].reshape(-1, y.shape[1]).T).view(-1, geo.n_kv, geo.rope_dim)[:, kv_of]
-    k_true = torch.cat([kv_true[..., :nope], kr_true], -1)
-    k_hat = torch.cat([kv_hat[..., :nope], kr_hat], -1)
-    return latent.relative_error(k_true, k_hat), latent.relative_error(kv_true[..., nope:], kv_hat[..., nope:])
-
-
-@torch.no_grad()
-def heldout_metrics(h_src: torch.Tensor, h_cvt: torch.Tensor, ids: torch.Tensor, reader, tied: bool, eps: float) -> dict:
-    """Perplexity of both models, and KL(source‖converted) and top-1 agreement per token, on held-out blocks.
-
-    Takes the last hidden states (N, T, d) of each model and applies the shared
-    final norm and head in small batches, so the full logits never coexist.
-    """
-    norm_w = reader.get("model.norm.weight")
-    head = reader.get("model.embed_tokens.weight" if tied else "lm_head.weight")
-    F = torch.nn.functional
-    ce_src = ce_cvt = kl = agree = 0.0
-    for hs, hc, t in zip(h_src.split(4), h_cvt.split(4), ids.split(4)):
-        logp = []
-        for h in (hs, hc):
-            x = h.float()
-            x = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * norm_w
-            logp.append(F.log_softmax((x[:, :-1] @ head.T).double(), -1).reshape(-1, head.shape[0]))
-        target = t[:, 1:].reshape(-1)
-        ce_src += float(F.nll_loss(logp[0], target, reduction="sum"))
-        ce_cvt += float(F.nll_loss(logp[1], target, reduction="sum"))
-        kl += float((logp[0].exp() * (logp[0] - logp[1])).sum())
-        agree += float((logp[0].argmax(-1) == logp[1].argmax(-1)).sum())
-    n = ids[:, 1:].numel()
-    return {
-        "tokens": n,
-        "source_perplexity": math.exp(ce_src / n),
-        "converted_perplexity": math.exp(ce_cvt / n),
-        "kl_source_to_converted": kl / n,
-        "top1_agreement": agree / n,
-    }

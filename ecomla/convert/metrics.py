@@ -1,0 +1,63 @@
+"""Measurements of a conversion: K/V reconstruction error and held-out output agreement."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ecomla.convert.to_mla import MLAGeometry, SourceAttention, kv_rows
+from ecomla.mla import latent
+from ecomla.mla.rope import RopeSplit
+
+
+def kv_errors(geo: MLAGeometry, split: RopeSplit, src: SourceAttention, tensors: dict, y: torch.Tensor) -> tuple[float, float]:
+    """Held-out ‖K−K̂‖/‖K‖ and ‖V−V̂‖/‖V‖ over all query heads, pre-RoPE, in the output's dim order.
+
+    Keys include the RoPE part (the shared key against each head's own); both
+    exclude biases, which the conversion carries exactly.
+    """
+    y = y.double()
+    n, nope, d_h, r = geo.n_heads, geo.nope_dim, geo.head_dim, geo.kv_width
+    kv_a = tensors["kv_a_proj_with_mqa.weight"].double()
+    lat = latent.rms_normalize(y @ kv_a[:r].T)
+    kv_hat = (lat @ tensors["kv_b_proj.weight"].double().T).view(-1, n, nope + d_h)
+    kr_hat = (y @ kv_a[r:].T)[:, None].expand(-1, n, -1)
+    kv_true = (y @ kv_rows(geo, split, src, repeat=True).T).view(-1, n, nope + d_h)
+    kv_of = torch.arange(n) // geo.n_rep
+    kr_true = (y @ src.k_w.view(geo.n_kv, d_h, -1)[:, split.rope_rows].reshape(-1, y.shape[1]).T).view(-1, geo.n_kv, geo.rope_dim)[:, kv_of]
+    k_true = torch.cat([kv_true[..., :nope], kr_true], -1)
+    k_hat = torch.cat([kv_hat[..., :nope], kr_hat], -1)
+    return latent.relative_error(k_true, k_hat), latent.relative_error(kv_true[..., nope:], kv_hat[..., nope:])
+
+
+@torch.no_grad()
+def heldout_metrics(h_src: torch.Tensor, h_cvt: torch.Tensor, ids: torch.Tensor, reader, tied: bool, eps: float) -> dict:
+    """Perplexity of both models, and KL(source‖converted) and top-1 agreement per token, on held-out blocks.
+
+    Takes the last hidden states (N, T, d) of each model and applies the shared
+    final norm and head in small batches, so the full logits never coexist.
+    """
+    norm_w = reader.get("model.norm.weight")
+    head = reader.get("model.embed_tokens.weight" if tied else "lm_head.weight")
+    F = torch.nn.functional
+    ce_src = ce_cvt = kl = agree = 0.0
+    for hs, hc, t in zip(h_src.split(4), h_cvt.split(4), ids.split(4)):
+        logp = []
+        for h in (hs, hc):
+            x = h.float()
+            x = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * norm_w
+            logp.append(F.log_softmax((x[:, :-1] @ head.T).double(), -1).reshape(-1, head.shape[0]))
+        target = t[:, 1:].reshape(-1)
+        ce_src += float(F.nll_loss(logp[0], target, reduction="sum"))
+        ce_cvt += float(F.nll_loss(logp[1], target, reduction="sum"))
+        kl += float((logp[0].exp() * (logp[0] - logp[1])).sum())
+        agree += float((logp[0].argmax(-1) == logp[1].argmax(-1)).sum())
+    n = ids[:, 1:].numel()
+    return {
+        "tokens": n,
+        "source_perplexity": math.exp(ce_src / n),
+        "converted_perplexity": math.exp(ce_cvt / n),
+        "kl_source_to_converted": kl / n,
+        "top1_agreement": agree / n,
+    }
