@@ -29,7 +29,7 @@ from ecomla.convert.recipe import MLAConfig, TextSource
 from ecomla.convert.source import LayerRunner, inspect_source
 from ecomla.convert.to_mla import MLAGeometry, SourceAttention, convert_attention
 from ecomla.convert.walk import embed, layer_tensors, normalized_input, source_attention
-from ecomla.data.text import iter_texts, token_blocks
+from ecomla.data.text import token_blocks
 from ecomla.mla.budget import rank_for_ratio
 from ecomla.mla.rope import rope_split
 from ecomla.recipe.schema import knob, recipe_to_dict, save_recipe
@@ -48,7 +48,8 @@ class ReconRecipe:
     output_dir: str = knob(help="Where recon.json and recon.png are written")
     calibration: NamedSource = knob(help="The domain the latent is fitted on")
     heldout: list[NamedSource] = knob(
-        help="Held-out sources to measure on; list the calibration domain's held-out text first, then the others"
+        help="Held-out sources to measure on (same domain first, then others); a source equal to `calibration` "
+        "is read after the fitted tokens, so the two never overlap"
     )
     token_counts: list[int] = knob(
         default_factory=lambda: [20000, 40000, 80000, 120000, 160000], help="Calibration token counts N to fit on"
@@ -73,6 +74,10 @@ class ReconRecipe:
         return problems
 
 
+def _same(a: TextSource, b: TextSource) -> bool:
+    return (a.dataset, a.subset, a.split, a.text_field) == (b.dataset, b.subset, b.split, b.text_field)
+
+
 def _label(src: NamedSource) -> str:
     return src.name or Path(src.dataset).stem
 
@@ -91,9 +96,11 @@ def run_recon(recipe: ReconRecipe, *, force: bool = False, progress: bool = True
     T = recipe.seq_len
     counts = sorted(recipe.token_counts)
     cal = recipe.calibration
-    fit_ids = token_blocks(iter_texts(cal.dataset, text_field=cal.text_field, split=cal.split), tok, T, counts[-1] // T)
+    n_fit = counts[-1] // T
+    fit_ids = token_blocks(cal.texts(), tok, T, n_fit)
+    # Held-out text from the calibration source itself starts after the fitted blocks, so the two never overlap.
     held_ids = [
-        token_blocks(iter_texts(h.dataset, text_field=h.text_field, split=h.split), tok, T, recipe.heldout_tokens // T)
+        token_blocks(h.texts(), tok, T, recipe.heldout_tokens // T, skip_blocks=n_fit if _same(h, cal) else 0)
         for h in recipe.heldout
     ]
     device = pick_device(recipe.device)

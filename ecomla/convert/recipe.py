@@ -24,6 +24,13 @@ class TextSource:
     )
     text_field: str = knob("text", help="Field holding the document text (.jsonl/.parquet)")
     split: str = knob("train", help="Split to read from a hub dataset")
+    subset: str | None = knob(None, help="Configuration of a hub dataset (e.g. wikitext-2-raw-v1)")
+
+    def texts(self):
+        """The documents of this source, in order."""
+        from ecomla.data.text import iter_texts
+
+        return iter_texts(self.dataset, text_field=self.text_field, split=self.split, subset=self.subset)
 
 
 @dataclass

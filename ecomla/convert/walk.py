@@ -13,7 +13,7 @@ import torch
 
 from ecomla.convert.recipe import CalibrationConfig
 from ecomla.convert.to_mla import SourceAttention
-from ecomla.data.text import iter_texts, token_blocks
+from ecomla.data.text import token_blocks
 from ecomla.io.checkpoint import CheckpointReader
 
 
@@ -28,15 +28,14 @@ class Calibration:
 def load_calibration(cfg: CalibrationConfig, tokenizer) -> Calibration:
     n_fit = cfg.num_tokens // cfg.seq_len
     n_held = cfg.heldout_tokens // cfg.seq_len
-    texts = iter_texts(cfg.dataset, text_field=cfg.text_field, split=cfg.split)
+    texts = cfg.texts()
     if cfg.heldout is None:
         blocks = token_blocks(texts, tokenizer, cfg.seq_len, n_fit + n_held)
         return Calibration(blocks[:n_fit], blocks[n_fit:] if n_held else None)
     fit = token_blocks(texts, tokenizer, cfg.seq_len, n_fit)
     held = None
     if n_held:
-        other = iter_texts(cfg.heldout.dataset, text_field=cfg.heldout.text_field, split=cfg.heldout.split)
-        held = token_blocks(other, tokenizer, cfg.seq_len, n_held)
+        held = token_blocks(cfg.heldout.texts(), tokenizer, cfg.seq_len, n_held)
     return Calibration(fit, held)
 
 

@@ -32,7 +32,7 @@ def _local_files(path: Path) -> tuple[str, list[str]]:
     return builders.pop(), [str(p) for p in files]
 
 
-def iter_texts(dataset: str, *, text_field: str = "text", split: str = "train") -> Iterator[str]:
+def iter_texts(dataset: str, *, text_field: str = "text", split: str = "train", subset: str | None = None) -> Iterator[str]:
     """Documents of a local or hub dataset, in order."""
     import datasets
 
@@ -42,7 +42,7 @@ def iter_texts(dataset: str, *, text_field: str = "text", split: str = "train") 
         ds = datasets.load_dataset(builder, data_files=files, split="train", streaming=True)
     else:
         try:
-            ds = datasets.load_dataset(dataset, split=split, streaming=True)
+            ds = datasets.load_dataset(dataset, subset, split=split, streaming=True)
         except Exception as err:
             raise DataError(
                 f"{dataset}: not a local file or directory, and loading it as a hub dataset failed "
