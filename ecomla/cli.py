@@ -2,6 +2,10 @@
 
     ecomla convert RECIPE.yaml [--set KEY=VALUE ...] [--force]
     ecomla analyze recon RECIPE.yaml [--set KEY=VALUE ...] [--force]
+    ecomla distill RECIPE.yaml        (or: deepspeed|torchrun ... -m ecomla.distill RECIPE.yaml)
+    ecomla pretrain RECIPE.yaml       (the same loop, CE only, student from student_config)
+    ecomla teacher-cache RECIPE.yaml  (top-k teacher log-probs for `teacher.source: cache`)
+    ecomla prepare-data RECIPE.yaml   (memory-mapped token shards for `data.*.prepared`)
 
 Every recipe key, its type, default and meaning is listed by `ecomla <job> --help`.
 Recipe problems are reported all at once, by dotted key, before anything runs.
@@ -10,6 +14,7 @@ Recipe problems are reported all at once, by dotted key, before anything runs.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -53,6 +58,34 @@ def _analyze_recon(args: argparse.Namespace) -> None:
     run_recon(recipe, force=args.force, progress=not args.quiet)
 
 
+PRETRAIN_DEFAULTS = ["loss.kind=none", "loss.kd_weight=0.0", "loss.ce_weight=1.0", "teacher.source=none"]
+
+
+def _distill_recipe(args: argparse.Namespace, pretrain: bool = False):
+    from ecomla.distill.recipe import DistillRecipe
+
+    overrides = (PRETRAIN_DEFAULTS if pretrain else []) + list(args.overrides)
+    return load_recipe(DistillRecipe, args.recipe, overrides=overrides)
+
+
+def _distill(args: argparse.Namespace) -> None:
+    from ecomla.distill.trainer import run
+
+    run(_distill_recipe(args, pretrain=args.command == "pretrain"), force=args.force, progress=not args.quiet)
+
+
+def _teacher_cache(args: argparse.Namespace) -> None:
+    from ecomla.distill.jobs import teacher_cache
+
+    teacher_cache(_distill_recipe(args), force=args.force, progress=not args.quiet)
+
+
+def _prepare_data(args: argparse.Namespace) -> None:
+    from ecomla.distill.jobs import prepare
+
+    prepare(_distill_recipe(args), force=args.force)
+
+
 def _recipe_epilog(cls_path: str) -> str:
     module, name = cls_path.rsplit(":", 1)
     cls = getattr(__import__(module, fromlist=[name]), name)
@@ -92,6 +125,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_recipe_args(p)
     p.set_defaults(func=_analyze_recon)
+
+    epilog = _recipe_epilog("ecomla.distill.recipe:DistillRecipe")
+    jobs = [
+        ("distill", _distill, "distill a student from a teacher (DeepSpeed; resumable)",
+         "Knowledge distillation from a live or cached teacher, on DeepSpeed ZeRO 0-3, one process or many "
+         "(deepspeed/torchrun -m ecomla.distill). Resumes from <output_dir>/checkpoints/latest; exports a consolidated "
+         "HF checkpoint to <output_dir>/final."),
+        ("pretrain", _distill, "train a model from scratch with CE (the same loop)",
+         "The distillation loop with the loss fixed to next-token CE and no teacher; the student is built from "
+         "`student_config`."),
+        ("teacher-cache", _teacher_cache, "write the teacher's top-k log-probs over the training data",
+         "Run teacher.model once over data.train and write top-k log-probs per token to teacher.cache_dir, so "
+         "`teacher.source: cache` runs need no live teacher."),
+        ("prepare-data", _prepare_data, "tokenize and pack data into memory-mapped shards",
+         "Tokenize data.train/data.eval once into <output_dir>/data/{train,eval}; point data.*.prepared at them."),
+    ]
+    for name, func, short, long in jobs:
+        p = sub.add_parser(name, help=short, description=long, epilog=epilog, formatter_class=fmt)
+        _add_recipe_args(p)
+        p.set_defaults(func=func)
     return parser
 
 
@@ -99,9 +152,13 @@ def _errors() -> tuple[type[BaseException], ...]:
     from ecomla.convert.plan import PlanError
     from ecomla.convert.source import SourceError
     from ecomla.data.text import DataError
+    from ecomla.distill.ds_config import DeepSpeedConfigError
+    from ecomla.distill.models import ModelSetupError
+    from ecomla.distill.trainer import TrainingError
     from ecomla.io.checkpoint import CheckpointError
 
-    return (CliError, RecipeError, PlanError, SourceError, CheckpointError, DataError, FileExistsError)
+    return (CliError, RecipeError, PlanError, SourceError, CheckpointError, DataError, FileExistsError,
+            TrainingError, ModelSetupError, DeepSpeedConfigError)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -110,7 +167,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         func(args)
     except _errors() as err:
-        print(f"ecomla {args.command}: error: {err}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # one message per run, not one per process
+            print(f"ecomla {args.command}: error: {err}", file=sys.stderr)
         return 2
     return 0
 

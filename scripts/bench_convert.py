@@ -164,6 +164,7 @@ def main() -> int:
         build_checkpoint(args.build_only, args.layers)
         return 0
 
+    load = os.getloadavg()[0]  # other work on the machine slows the wall times (not the memory)
     work = args.workdir.resolve()
     work.mkdir(parents=True, exist_ok=True)
     ckpt = work / f"llama-3.2-1b-shapes-L{args.layers}"
@@ -173,6 +174,7 @@ def main() -> int:
         print(f"building {ckpt} ...", flush=True)
         build = [sys.executable, __file__, "--layers", str(args.layers), "--build-only", str(ckpt)]
         subprocess.run(build, check=True)
+        os.sync()  # flush the fresh shards now: their writeback would otherwise slow the measured run
     ckpt_bytes = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
     layer = layer_bytes()
 
@@ -211,7 +213,7 @@ def main() -> int:
         "peak_over_target": conv.maxrss_bytes / target,
         "pass": conv.maxrss_bytes <= target,
         "machine": {"cpus": os.cpu_count(), "torch": version("torch"), "transformers": version("transformers"),
-                    "python": platform.python_version(), "platform": platform.platform()},
+                    "load_avg_1min_at_start": load, "python": platform.python_version(), "platform": platform.platform()},
     }
     out = args.out or work / "bench_convert.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
@@ -219,7 +221,7 @@ def main() -> int:
     g = lambda b: f"{b / GiB:7.3f}"  # noqa: E731
     print(f"\ncheckpoint: {args.layers} layers, {ckpt_bytes:,} B ({ckpt_bytes / GiB:.3f} GiB); "
           f"one layer {layer:,} B ({layer / GiB:.3f} GiB); output {out_bytes / GiB:.3f} GiB")
-    print(f"machine: {os.cpu_count()} CPUs, torch {version('torch')}\n")
+    print(f"machine: {os.cpu_count()} CPUs, torch {version('torch')}, load average {load:.2f} at start\n")
     print(f"{'process':<9} {'wall s':>7} {'maxRSS GiB':>10} {'polled':>7} {'anon':>7} {'file':>7}")
     for name, r in (("floor", floor), ("convert", conv)):
         print(f"{name:<9} {r.wall_s:7.1f} {g(r.maxrss_bytes):>10} {g(r.polled_rss_bytes)} "

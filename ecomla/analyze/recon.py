@@ -129,6 +129,7 @@ def run_recon(recipe: ReconRecipe, *, force: bool = False, progress: bool = True
         layer = runner.build(i, t)
         h_fit = runner.run(layer, h_fit, recipe.batch_size)
         h_held = [runner.run(layer, h, recipe.batch_size) for h in h_held]
+        source.reader.release()
 
     labels = [_label(h) for h in recipe.heldout]
     series = []

@@ -85,6 +85,7 @@ class Converter:
                     spectra.append(torch.linalg.svdvals(M).square())
             if hidden is not None:
                 hidden = self.runner.run(self.runner.build(i, t), hidden, self.batch)
+            plan.source.reader.release()
         return (scores or None), (spectra or None)
 
     def _geometry(self, kv_width: int) -> MLAGeometry:
@@ -172,6 +173,7 @@ class Converter:
                     if h_src is not None:
                         h_src = self.runner.run(src_layer, h_src, self.batch)
                 layers_report.append(entry)
+                plan.source.reader.release()
                 if "heldout_key_rel_error" in entry:
                     bar.set_postfix(k_err=f"{entry['heldout_key_rel_error']:.3f}", v_err=f"{entry['heldout_value_rel_error']:.3f}")
 

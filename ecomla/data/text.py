@@ -32,8 +32,8 @@ def _local_files(path: Path) -> tuple[str, list[str]]:
     return builders.pop(), [str(p) for p in files]
 
 
-def iter_texts(dataset: str, *, text_field: str = "text", split: str = "train", subset: str | None = None) -> Iterator[str]:
-    """Documents of a local or hub dataset, in order."""
+def iter_rows(dataset: str, *, split: str = "train", subset: str | None = None, field: str | None = None) -> Iterator[dict]:
+    """Rows (dicts) of a local or hub dataset, in order; `field` is checked on the first row."""
     import datasets
 
     path = Path(dataset).expanduser()
@@ -48,13 +48,19 @@ def iter_texts(dataset: str, *, text_field: str = "text", split: str = "train", 
                 f"{dataset}: not a local file or directory, and loading it as a hub dataset failed "
                 f"({type(err).__name__}: {err})"
             ) from err
-    field = "text" if path.exists() and path.suffix == ".txt" else text_field
     for row in ds:
-        if field not in row:
-            raise DataError(f"{dataset}: rows have no '{field}' field (fields: {', '.join(row)}); set text_field")
-        text = row[field]
-        if text:
-            yield text
+        if field is not None and field not in row:
+            raise DataError(f"{dataset}: rows have no '{field}' field (fields: {', '.join(row)}); set the field name")
+        yield row
+
+
+def iter_texts(dataset: str, *, text_field: str = "text", split: str = "train", subset: str | None = None) -> Iterator[str]:
+    """Documents of a local or hub dataset, in order (empty ones skipped)."""
+    path = Path(dataset).expanduser()
+    field = "text" if path.exists() and path.suffix == ".txt" else text_field
+    for row in iter_rows(dataset, split=split, subset=subset, field=field):
+        if row[field]:
+            yield row[field]
 
 
 def token_blocks(texts: Iterator[str], tokenizer, seq_len: int, num_blocks: int, *, skip_blocks: int = 0) -> torch.Tensor:

@@ -125,6 +125,15 @@ class CheckpointReader:
         for name in self._open(shard).keys():
             self._where[name] = shard
 
+    def release(self) -> None:
+        """Unmap the shards: pages read so far stop counting in this process's RSS.
+
+        safetensors maps whole files; a streaming converter calls this after each
+        layer so that resident memory holds one layer of the source, not all of it.
+        Handles reopen on the next read (only the header is parsed).
+        """
+        self._handles.clear()
+
     def names(self) -> set[str]:
         return set(self._where)
 
@@ -165,7 +174,7 @@ class AtomicCheckpointWriter:
     the block with an exception removes the temporary directory.
     """
 
-    def __init__(self, destination: str | os.PathLike, *, overwrite: bool, shard_bytes: int = 2 << 30):
+    def __init__(self, destination: str | os.PathLike, *, overwrite: bool, shard_bytes: int = 512 << 20):
         self.destination = Path(destination)
         if self.destination.exists() and not overwrite:
             raise FileExistsError(f"{self.destination} already exists; pass --force to replace it")

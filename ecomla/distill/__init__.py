@@ -1,0 +1,1 @@
+"""Distillation of a converted MLA student from its source teacher: losses and the training loop."""

@@ -1,0 +1,289 @@
+"""Knowledge-distillation losses for X-EcoMLA: per token, computed over rows in chunks.
+
+Pure math: tensors in, tensors out (no transformers, no files). The training loop
+selects the rows that count (real tokens, shifted targets) *before* calling in
+here; every row passed is a token, so padding can never leak into a loss.
+
+Notation, per token: z the student logits (V,), T the temperature,
+q = softmax(z/T) the student, p the teacher at the same T, and
+KL(a‖b) = Σ_v a_v·(log a_v − log b_v) with 0·log 0 = 0.
+
+    forward_kl  KL(p‖q)                                         X-EcoMLA's default
+    reverse_kl  KL(q‖p)
+    jsd         β·KL(p‖m) + (1−β)·KL(q‖m),  m = β·p + (1−β)·q    β = spec.mix
+    skew_kl     KL(p‖m),                    m = α·p + (1−α)·q    α = spec.mix
+
+The KD term is multiplied by T² so that its gradient scale does not change with T
+(Hinton et al., 2015). CE is on the hard targets at temperature 1.
+
+Sparse teachers and the tail bucket. A dataset of saved teacher logits keeps only
+the top-k log-probs per token plus the log of the mass outside them. The two
+distributions are then compared after coarsening both onto k+1 buckets: the k
+top-k ids, and one "tail" bucket holding every other id. The student's tail
+log-mass is computed exactly, as logsumexp of its log-probs over the ids outside
+the top-k, not as log(1 − Σ top-k), which cancels catastrophically when the top-k
+hold nearly all the mass. For k = V there is no tail bucket and the result is
+exact. For k < V the coarsened divergence lower-bounds the full one (the
+data-processing inequality; all four kinds are f-divergences); for forward KL it
+is exactly KL between p and q coarsened onto (top-k ids, everything else).
+
+Usage (the caller divides by its global token count, e.g. summed over ranks):
+
+    sums = chunked_loss(h, model.lm_head, lambda s, e: TeacherDist.from_logits(t[s:e], spec.temperature),
+                        targets, spec, chunk_size=1024)
+    (sums.total / n_tokens_global).backward()
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint as _checkpoint
+
+
+class KDLoss(str, enum.Enum):
+    """The divergence D(teacher, student) of the KD term."""
+
+    FORWARD_KL = "forward_kl"  # KL(p‖q): mean-seeking; X-EcoMLA's default
+    REVERSE_KL = "reverse_kl"  # KL(q‖p): mode-seeking
+    JSD = "jsd"  # generalized Jensen-Shannon with weight β = mix on p
+    SKEW_KL = "skew_kl"  # KL(p‖α·p + (1−α)·q) with α = mix; bounded, smoother than KL
+    NONE = "none"  # no KD term: pure CE (`ecomla pretrain`)
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """Per-token loss: total = kd_weight·T²·D(p, q) + ce_weight·CE."""
+
+    kind: KDLoss = KDLoss.FORWARD_KL  # which divergence; a plain string is converted
+    temperature: float = 1.0  # both distributions at z/T; the KD term is multiplied by T²
+    kd_weight: float = 1.0  # weight of the KD term (ignored when kind is NONE)
+    ce_weight: float = 0.0  # weight of next-token CE on the hard targets, at temperature 1
+    mix: float = 0.5  # β for JSD, α for skew KL; in [0, 1]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", KDLoss(self.kind))
+        problems = []
+        if not self.temperature > 0:
+            problems.append(f"temperature must be > 0, got {self.temperature}")
+        for name in ("kd_weight", "ce_weight"):
+            if not getattr(self, name) >= 0:
+                problems.append(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.mix <= 1:
+            problems.append(f"mix must be in [0, 1], got {self.mix}")
+        if not (self.uses_teacher or self.ce_weight > 0):
+            problems.append(f"nothing to train: kind={self.kind.value}, kd_weight={self.kd_weight}, "
+                            f"ce_weight={self.ce_weight}")
+        if problems:
+            raise ValueError("invalid loss spec: " + "; ".join(problems))
+
+    @property
+    def uses_teacher(self) -> bool:
+        """Whether the total loss has a KD term (and therefore needs a teacher)."""
+        return self.kind is not KDLoss.NONE and self.kd_weight > 0
+
+
+@dataclass
+class TeacherDist:
+    """A teacher distribution over the vocab for N tokens: dense log-probs, or sparse top-k + one tail bucket."""
+
+    logp: Tensor | None = None  # (N, V) dense log-probs at the spec temperature
+    topk_idx: Tensor | None = None  # (N, k) int64 vocab ids
+    topk_logp: Tensor | None = None  # (N, k) log-probs of those ids
+    tail_logp: Tensor | None = None  # (N,) log of the mass outside the top-k (−inf when k = V)
+
+    def __post_init__(self) -> None:
+        sparse = [t is not None for t in (self.topk_idx, self.topk_logp, self.tail_logp)]
+        if (self.logp is not None) == any(sparse) or (any(sparse) and not all(sparse)):
+            raise ValueError("TeacherDist takes either logp (dense) or all of topk_idx, topk_logp, tail_logp")
+
+    @property
+    def is_dense(self) -> bool:
+        return self.logp is not None
+
+    @classmethod
+    def from_logits(cls, logits: Tensor, temperature: float) -> TeacherDist:
+        """Dense teacher from (N, V) logits; detached, float32."""
+        return cls(logp=torch.log_softmax(logits.detach().float() / temperature, dim=-1))
+
+    @classmethod
+    def topk_from_logits(cls, logits: Tensor, temperature: float, k: int) -> TeacherDist:
+        """Sparse teacher from (N, V) logits: the k most likely ids and the exact log-mass of the rest."""
+        z = logits.detach().float() / temperature  # (N, V)
+        if not 1 <= k <= z.shape[-1]:
+            raise ValueError(f"k must be in [1, V={z.shape[-1]}], got {k}")
+        lse = z.logsumexp(-1)  # (N,)
+        top, idx = z.topk(k, dim=-1)  # (N, k)
+        rest = z.scatter(-1, idx, -math.inf).logsumexp(-1)  # (N,); all −inf, hence −inf, when k == V
+        return cls(topk_idx=idx, topk_logp=top - lse[:, None], tail_logp=rest - lse)
+
+    def slice(self, start: int, end: int) -> TeacherDist:
+        """Rows [start:end] (views, no copy)."""
+        rows = (self.logp, self.topk_idx, self.topk_logp, self.tail_logp)
+        return TeacherDist(*(None if t is None else t[start:end] for t in rows))
+
+
+def _kl(log_a: Tensor, log_b: Tensor) -> Tensor:
+    """Σ_v a_v·(log a_v − log b_v) over the last dim, with 0·log 0 = 0 and NaN-free gradients."""
+    live = log_a > -math.inf
+    # Sanitize dead entries *before* the arithmetic: a where() after it would still
+    # send NaN gradients (0·∞) back through exp(−inf)·(−inf − x).
+    log_a = torch.where(live, log_a, 0.0)
+    log_b = torch.where(live, log_b, 0.0)
+    return torch.where(live, log_a.exp() * (log_a - log_b), 0.0).sum(-1)
+
+
+def _divergence(kind: KDLoss, log_p: Tensor, log_q: Tensor, mix: float) -> Tensor:
+    """D(p, q) per row for (N, K) teacher and student log-probs -> (N,)."""
+    if kind is KDLoss.FORWARD_KL:
+        return _kl(log_p, log_q)
+    if kind is KDLoss.REVERSE_KL:
+        return _kl(log_q, log_p)
+    log_mix = [math.log(w) if w > 0 else -math.inf for w in (mix, 1 - mix)]
+    log_m = torch.logaddexp(log_p + log_mix[0], log_q + log_mix[1])  # m = mix·p + (1−mix)·q
+    if kind is KDLoss.JSD:  # a term of weight 0 is skipped, not multiplied (0·∞ at mix ∈ {0, 1})
+        terms = [w * _kl(log_a, log_m) for w, log_a in ((mix, log_p), (1 - mix, log_q)) if w > 0]
+        return terms[0] if len(terms) == 1 else terms[0] + terms[1]
+    if kind is KDLoss.SKEW_KL:
+        return _kl(log_p, log_m)
+    raise ValueError(f"no divergence for kind={kind.value}")
+
+
+def kd_per_token(student_logits: Tensor, teacher: TeacherDist, spec: LossSpec) -> Tensor:
+    """KD divergence per token, already multiplied by T²: (N, V) logits -> (N,) float32.
+
+    Zeros when spec.kind is NONE. A sparse teacher is compared on k+1 buckets
+    (see the module docstring).
+    """
+    n, v = student_logits.shape
+    if spec.kind is KDLoss.NONE:
+        return student_logits.new_zeros(n, dtype=torch.float32)
+    log_q = torch.log_softmax(student_logits.float() / spec.temperature, dim=-1)  # (N, V)
+    if teacher.is_dense:
+        log_p = teacher.logp.float()  # (N, V)
+        if log_p.shape != log_q.shape:
+            raise ValueError(f"teacher logp has shape {tuple(log_p.shape)}, student logits {(n, v)}")
+    else:
+        idx = teacher.topk_idx.long()  # (N, k); saved datasets may store int32
+        log_p = teacher.topk_logp.float()  # (N, k)
+        if idx.shape[0] != n or idx.shape[-1] > v:
+            raise ValueError(f"teacher top-k has shape {tuple(idx.shape)}, student logits {(n, v)}")
+        log_q_top = log_q.gather(-1, idx)  # (N, k)
+        if idx.shape[-1] < v:
+            # The student's tail, exactly: logsumexp over the ids outside the top-k.
+            q_tail = log_q.scatter(-1, idx, -math.inf).logsumexp(-1, keepdim=True)  # (N, 1)
+            log_p = torch.cat([log_p, teacher.tail_logp.float()[:, None]], dim=-1)  # (N, k+1)
+            log_q = torch.cat([log_q_top, q_tail], dim=-1)  # (N, k+1)
+        else:
+            log_q = log_q_top  # k == V: the tail holds no mass on either side, so no bucket
+    return _divergence(spec.kind, log_p, log_q, spec.mix) * spec.temperature**2
+
+
+def ce_per_token(student_logits: Tensor, targets: Tensor) -> Tensor:
+    """Next-token cross-entropy at temperature 1: (N, V) logits, (N,) ids -> (N,) float32.
+
+    Targets must be real ids; select rows beforehand (an id of -100 would silently score 0).
+    """
+    return F.cross_entropy(student_logits.float(), targets, reduction="none")
+
+
+def token_loss(
+    student_logits: Tensor, teacher: TeacherDist | None, targets: Tensor, spec: LossSpec
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-token (total, kd, ce), each (N,) float32, with total = kd_weight·kd + ce_weight·ce.
+
+    kd and ce are always returned for logging; a term whose weight is 0 is computed
+    without grad. teacher may be None only when spec has no KD term (kd is then 0).
+    """
+    if teacher is None and spec.uses_teacher:
+        raise ValueError(f"kind={spec.kind.value} with kd_weight={spec.kd_weight} needs a teacher, got None")
+    with torch.set_grad_enabled(torch.is_grad_enabled() and spec.ce_weight > 0):
+        ce = ce_per_token(student_logits, targets)
+    if teacher is None:
+        kd = torch.zeros_like(ce)
+    else:
+        with torch.set_grad_enabled(torch.is_grad_enabled() and spec.uses_teacher):
+            kd = kd_per_token(student_logits, teacher, spec)
+    # Only weighted-in terms enter total (LossSpec guarantees at least one), so a
+    # zero-weight term costs no backward.
+    terms = [spec.kd_weight * kd] if spec.uses_teacher else []
+    terms += [spec.ce_weight * ce] if spec.ce_weight > 0 else []
+    total = terms[0] if len(terms) == 1 else terms[0] + terms[1]
+    return total, kd, ce
+
+
+@dataclass
+class LossSums:
+    """Loss SUMS over a batch's tokens (0-dim float32); divide by the global token count."""
+
+    total: Tensor  # Σ kd_weight·kd + ce_weight·ce; backprop this (after normalizing)
+    kd: Tensor  # Σ T²·D(p, q), for logging
+    ce: Tensor  # Σ CE, for logging
+    tokens: int  # N, the number of rows summed
+
+
+def chunked_loss(
+    hidden: Tensor,
+    head: Callable[[Tensor], Tensor],
+    teacher: Callable[[int, int], TeacherDist] | None,
+    targets: Tensor,
+    spec: LossSpec,
+    chunk_size: int,
+    checkpoint: bool = True,
+    num_chunks: int | None = None,
+) -> LossSums:
+    """Sum the token losses over (N, d) hidden rows, chunk_size rows at a time.
+
+    `num_chunks` forces exactly that many head calls (rows split as evenly as
+    possible, some chunks possibly empty). Under ZeRO-3 every head call gathers
+    the head's weight collectively, so all ranks must make the same number of
+    calls: pass the maximum over ranks of ceil(N / chunk_size).
+
+    head maps (n, d) hidden rows to (n, V) logits; teacher(s, e) gives the teacher
+    rows [s:e] and is called under no_grad. With checkpoint=True each chunk (head,
+    teacher and loss) is recomputed during backward, so no chunk's (n, V) logits
+    are kept and peak memory is one chunk's, not N×V. The teacher callback then runs
+    twice per chunk: keep it cheap (a slice, or a head over cached teacher hidden
+    states) and deterministic.
+
+    Returns sums; the caller divides by its global token count. N may be 0.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if teacher is None and spec.uses_teacher:
+        raise ValueError(f"kind={spec.kind.value} with kd_weight={spec.kd_weight} needs a teacher, got None")
+    n = hidden.shape[0]
+    if targets.shape[0] != n:
+        raise ValueError(f"{n} hidden rows but {targets.shape[0]} targets")
+
+    def chunk(h: Tensor, s: int, e: int) -> tuple[Tensor, Tensor, Tensor]:
+        dist = None
+        if teacher is not None:
+            with torch.no_grad():
+                dist = teacher(s, e)
+        total, kd, ce = token_loss(head(h), dist, targets[s:e], spec)
+        return total.sum(), kd.sum(), ce.sum()
+
+    if n == 0 and num_chunks is None:
+        # Wire the zero to hidden and the head, so backward still reaches them (DDP wants every parameter used).
+        zero = head(hidden[:0]).float().sum() * 0.0
+        return LossSums(zero, zero.clone(), zero.clone(), 0)
+    if num_chunks is None:
+        bounds = [(s, min(s + chunk_size, n)) for s in range(0, n, chunk_size)]
+    else:
+        edges = [n * i // num_chunks for i in range(num_chunks + 1)]
+        bounds = list(zip(edges[:-1], edges[1:]))
+    sums = []
+    for s, e in bounds:
+        if checkpoint:
+            sums.append(_checkpoint(chunk, hidden[s:e], s, e, use_reentrant=False))
+        else:
+            sums.append(chunk(hidden[s:e], s, e))
+    total, kd, ce = (torch.stack(col).sum() for col in zip(*sums))
+    return LossSums(total, kd, ce, n)

@@ -1,0 +1,114 @@
+"""Student and teacher models of a training run: loading, checks, trainable groups and the final export.
+
+Both are stock Hugging Face causal LMs loaded with `from_pretrained` (or built
+with `from_config` for pretraining), so under ZeRO-3 they are partitioned at
+construction with their weight initialization intact (the caller keeps an
+`HfDeepSpeedConfig` alive while they are built).
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from ecomla.io.checkpoint import TOKENIZER_FILES, resolve_model_dir
+
+
+class ModelSetupError(ValueError):
+    """Student, teacher or tokenizer do not fit together."""
+
+
+def load_tokenizer(path: str):
+    try:
+        return AutoTokenizer.from_pretrained(resolve_model_dir(path))
+    except Exception as err:
+        raise ModelSetupError(f"tokenizer: cannot load one from {path} ({type(err).__name__}: {err})") from err
+
+
+def load_causal_lm(path: str, dtype: torch.dtype, what: str):
+    try:
+        return AutoModelForCausalLM.from_pretrained(resolve_model_dir(path), dtype=dtype)
+    except Exception as err:
+        raise ModelSetupError(f"{what}: cannot load {path} ({type(err).__name__}: {err})") from err
+
+
+def build_from_config(config: dict, dtype: torch.dtype):
+    cfg = dict(config)
+    model_type = cfg.pop("model_type", None)
+    if model_type is None:
+        raise ModelSetupError("student_config: needs a model_type (e.g. llama, deepseek_v3)")
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **cfg), dtype=dtype)
+
+
+def check_pair(student_cfg, teacher_cfg, student_tok, teacher_tok) -> list[str]:
+    """Student and teacher must predict over the same vocabulary with the same tokenizer."""
+    problems = []
+    if student_cfg.vocab_size != teacher_cfg.vocab_size:
+        problems.append(
+            f"teacher: vocab size {teacher_cfg.vocab_size} differs from the student's {student_cfg.vocab_size}; "
+            "KD needs the same tokenizer and output vocabulary"
+        )
+    if teacher_tok is not None and student_tok.get_vocab() != teacher_tok.get_vocab():
+        problems.append("teacher: its tokenizer differs from the student's (token to id maps differ)")
+    return problems
+
+
+def stage_groups(names: Sequence[str], stages: Sequence[Sequence[str]]) -> list[int]:
+    """For each parameter, the first stage whose patterns match it ('all', 'attention', or a substring)."""
+
+    def matches(name: str, pattern: str) -> bool:
+        if pattern == "all":
+            return True
+        if pattern == "attention":
+            return ".self_attn." in name
+        return pattern in name
+
+    groups = []
+    for name in names:
+        first = next((i for i, pats in enumerate(stages) if any(matches(name, p) for p in pats)), None)
+        if first is None:
+            raise ModelSetupError(f"train.stages: parameter {name} trains in no stage; add 'all' to the last stage")
+        groups.append(first)
+    return groups
+
+
+def apply_lora(model, lora):
+    from peft import LoraConfig, get_peft_model
+
+    present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    missing = [t for t in lora.target_modules if t not in present]
+    if missing:
+        raise ModelSetupError(f"train.lora.target_modules: {missing} not in the student (it has e.g. {sorted(present)[:8]})")
+    cfg = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules))
+    return get_peft_model(model, cfg)
+
+
+def export_model(model, state_dict: dict[str, torch.Tensor], out: Path, tokenizer_dir: Path | None, lora: bool) -> Path:
+    """Write a consolidated HF checkpoint (rank 0 only) atomically; LoRA adapters are merged first."""
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    if lora:
+        # Merge on a plain CPU copy: load the gathered adapter weights, fold them in, drop PEFT.
+        from peft import get_peft_model
+
+        base = model.get_base_model()
+        merged = base.__class__(base.config).to(next(iter(state_dict.values())).dtype)
+
+        clone = get_peft_model(merged, model.peft_config["default"])
+        clone.load_state_dict(state_dict, strict=True)
+        clone = clone.merge_and_unload()
+        clone.save_pretrained(tmp)
+    else:
+        model.save_pretrained(tmp, state_dict=state_dict)
+    if tokenizer_dir is not None:
+        for name in TOKENIZER_FILES:
+            src = tokenizer_dir / name
+            if src.is_file() and not (tmp / name).exists():
+                shutil.copy2(src, tmp / name)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out

@@ -1,0 +1,200 @@
+"""The `ecomla distill` / `ecomla pretrain` / `ecomla teacher-cache` / `ecomla prepare-data` recipe.
+
+One recipe describes a training run: the student, the teacher (a live model or
+a cache of its top-k log-probs), the data, the loss, what trains, the
+optimizer, DeepSpeed, checkpoints and logging. `ecomla pretrain` is the same
+loop with the loss set to CE only and the student built from a config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from ecomla.distill.losses import KDLoss
+from ecomla.recipe.schema import knob
+
+
+@dataclass
+class DataSource:
+    """Training or evaluation text: a prepared shard directory, or a text/chat dataset packed in memory."""
+
+    prepared: str | None = knob(None, help="Directory written by `ecomla prepare-data` (memory-mapped shards)")
+    dataset: str | None = knob(
+        None, help="Local .jsonl/.json/.txt/.parquet file or directory, or a hub dataset name (tokenized at start-up)"
+    )
+    text_field: str = knob("text", help="Field with the text (format=text)")
+    messages_field: str = knob("messages", help="Field with the chat messages (format=chat)")
+    split: str = knob("train", help="Split of a hub dataset")
+    subset: str | None = knob(None, help="Configuration of a hub dataset")
+    format: Literal["text", "chat"] = knob(
+        "text", help="text: every token is a target. chat: messages rendered with the chat template, prompt masked"
+    )
+    max_documents: int | None = knob(None, help="Read at most this many documents (null: all)")
+
+    def check(self) -> list[str]:
+        if (self.prepared is None) == (self.dataset is None):
+            return ["prepared: set exactly one of prepared and dataset"]
+        return []
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    train: DataSource = knob(help="Training data")
+    eval: DataSource | None = knob(None, help="Held-out data for periodic KL/CE evaluation (null: none)")
+    seq_len: int = knob(2048, help="Tokens per packed sequence (documents are packed whole, never across sequences)")
+    cross_document_attention: bool = knob(
+        False, help="false: a block-diagonal mask keeps packed documents from attending to each other"
+    )
+
+    def check(self) -> list[str]:
+        return [] if self.seq_len >= 2 else ["seq_len: must be at least 2"]
+
+
+@dataclass
+class TeacherConfig:
+    """The teacher: a live model, or a cache of its top-k log-probs written by `ecomla teacher-cache`."""
+
+    source: Literal["live", "cache", "none"] = knob(
+        "live", help="live: run the teacher every step. cache: read top-k log-probs from cache_dir. none: no teacher"
+    )
+    model: str | None = knob(None, help="Teacher checkpoint (local directory or hub name); same tokenizer as the student")
+    cache_dir: str | None = knob(None, help="Where `ecomla teacher-cache` writes and `source: cache` reads")
+    cache_topk: int = knob(64, help="Log-probs kept per token in the cache; the rest is one tail bucket")
+    dtype: Literal["auto", "float32", "bfloat16"] = knob("auto", help="auto: bf16 when the run is bf16, else fp32")
+
+
+@dataclass
+class LossConfig:
+    kind: KDLoss = knob(KDLoss.FORWARD_KL, help="forward_kl (X-EcoMLA), reverse_kl, jsd, skew_kl, or none (CE only)")
+    temperature: float = knob(1.0, help="Softmax temperature of both models in the KD term (which is scaled by T²)")
+    kd_weight: float = knob(1.0, help="Weight of the KD term")
+    ce_weight: float = knob(0.0, help="Weight of next-token CE on the data (X-EcoMLA: 0)")
+    mix: float = knob(0.5, help="β of jsd, α of skew_kl")
+    chunk_tokens: int = knob(1024, help="Logits are computed this many target tokens at a time (memory ∝ chunk × vocab)")
+
+    def check(self) -> list[str]:
+        problems = []
+        if self.temperature <= 0:
+            problems.append("temperature: must be > 0")
+        if self.chunk_tokens < 1:
+            problems.append("chunk_tokens: must be >= 1")
+        if not 0 <= self.mix <= 1:
+            problems.append("mix: must be in [0, 1]")
+        if self.kind == KDLoss.NONE and self.ce_weight <= 0:
+            problems.append("ce_weight: with kind=none (CE only) set ce_weight > 0")
+        return problems
+
+
+@dataclass
+class StageConfig:
+    trainable: list[str] = knob(
+        default_factory=lambda: ["all"],
+        help="Parameter name patterns that train in this stage ('all', 'attention' for self_attn, or substrings)",
+    )
+    fraction: float = knob(1.0, help="Share of the run's steps spent in this stage")
+
+
+@dataclass
+class LoraConfig:
+    r: int = knob(16, help="LoRA rank")
+    alpha: float = knob(32.0, help="LoRA alpha")
+    dropout: float = knob(0.0, help="LoRA dropout")
+    target_modules: list[str] = knob(
+        default_factory=lambda: ["q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"],
+        help="Module names that get adapters (DeepSeek-V3 MLA names by default)",
+    )
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    mode: Literal["full", "stages", "lora"] = knob(
+        "full", help="full: all parameters. stages: the `stages` schedule. lora: PEFT adapters, merged at export"
+    )
+    stages: list[StageConfig] = knob(default_factory=list, help="mode=stages: e.g. attention first, then all")
+    lora: LoraConfig = knob(default_factory=LoraConfig, help="mode=lora settings")
+    total_tokens: int = knob(help="Tokens to train on (the step count is derived from the global batch)")
+    global_batch_tokens: int = knob(393216, help="Tokens per optimizer step over all ranks (X-EcoMLA: 192 × 2048)")
+    micro_batch_size: int = knob(4, help="Sequences per rank per forward pass")
+    lr: float = knob(8e-5, help="Peak learning rate (X-EcoMLA, 1B student: 8e-5)")
+    min_lr_ratio: float = knob(0.0, help="Cosine decays to lr × this")
+    warmup_ratio: float = knob(0.01, help="Share of steps with linear warmup (X-EcoMLA: 1%)")
+    weight_decay: float = knob(0.0, help="AdamW weight decay")
+    betas: list[float] = knob(default_factory=lambda: [0.9, 0.95], help="AdamW betas")
+    grad_clip: float = knob(1.0, help="Gradient-norm clipping (0: off)")
+    precision: Literal["bf16", "fp32"] = knob("bf16", help="Training precision (bf16 weights with fp32 master copies)")
+    gradient_checkpointing: bool = knob(False, help="Recompute activations in backward to save memory")
+    seed: int = knob(0, help="Seed for data order and initialization")
+
+    def check(self) -> list[str]:
+        problems = []
+        if self.total_tokens <= 0:
+            problems.append("total_tokens: must be > 0")
+        if self.mode == "stages" and not self.stages:
+            problems.append("stages: mode=stages needs at least one stage")
+        if self.stages and abs(sum(s.fraction for s in self.stages) - 1.0) > 1e-6:
+            problems.append("stages: fractions must sum to 1")
+        if len(self.betas) != 2:
+            problems.append("betas: two values")
+        if self.micro_batch_size < 1:
+            problems.append("micro_batch_size: must be >= 1")
+        return problems
+
+
+@dataclass
+class DeepSpeedConfig:
+    zero_stage: int = knob(2, help="ZeRO stage 0-3")
+    config: str | None = knob(None, help="A JSON file of DeepSpeed settings (e.g. recipes/deepspeed/zero3.json)")
+    overrides: dict[str, Any] = knob(default_factory=dict, help="Settings merged over `config` (nested keys)")
+
+    def check(self) -> list[str]:
+        return [] if self.zero_stage in (0, 1, 2, 3) else ["zero_stage: must be 0, 1, 2 or 3"]
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = knob(500, help="Save a resumable checkpoint every N optimizer steps (0: only at the end)")
+    keep_last: int = knob(2, help="Resumable checkpoints kept")
+
+
+@dataclass
+class LogConfig:
+    every_steps: int = knob(1, help="Log metrics every N steps")
+    eval_every_steps: int = knob(0, help="Evaluate KL/CE on data.eval every N steps (0: only at the end)")
+    eval_batches: int = knob(8, help="Micro-batches per evaluation")
+    tensorboard: bool = knob(True, help="Write TensorBoard logs when tensorboard is installed")
+    wandb_project: str | None = knob(None, help="Also log to this W&B project when wandb is installed")
+
+
+@dataclass(kw_only=True)
+class DistillRecipe:
+    """A training run. Launch: `deepspeed -m ecomla.distill R.yaml`, `torchrun -m ecomla.distill R.yaml`, or `ecomla distill R.yaml`."""
+
+    student: str | None = knob(None, help="Student checkpoint: a converted stock DeepSeek-V3 model or any HF causal LM")
+    student_config: dict[str, Any] | None = knob(
+        None, help="`ecomla pretrain`: a transformers config dict (with model_type) to build the student from scratch"
+    )
+    tokenizer: str | None = knob(None, help="Tokenizer directory (default: the student's, else the teacher's)")
+    teacher: TeacherConfig = knob(default_factory=TeacherConfig, help="The teacher")
+    data: DataConfig = knob(help="Training and evaluation data")
+    loss: LossConfig = knob(default_factory=LossConfig, help="The loss")
+    train: TrainConfig = knob(help="What trains, and how")
+    deepspeed: DeepSpeedConfig = knob(default_factory=DeepSpeedConfig, help="DeepSpeed settings")
+    checkpoint: CheckpointConfig = knob(default_factory=CheckpointConfig, help="Resumable checkpoints")
+    log: LogConfig = knob(default_factory=LogConfig, help="Logging and evaluation")
+    output_dir: str = knob(help="Run directory: checkpoints/, logs, metrics.jsonl, and the exported model in final/")
+
+    def check(self) -> list[str]:
+        problems = []
+        if (self.student is None) == (self.student_config is None):
+            problems.append("student: set exactly one of student (a checkpoint) and student_config (pretraining)")
+        wants_kd = self.loss.kind != KDLoss.NONE and self.loss.kd_weight > 0
+        if wants_kd and self.teacher.source == "none":
+            problems.append(f"teacher.source: loss.kind={self.loss.kind.value} needs a teacher (live or cache)")
+        if self.teacher.source == "live" and wants_kd and not self.teacher.model:
+            problems.append("teacher.model: a live teacher needs a checkpoint")
+        if self.teacher.source == "cache" and not self.teacher.cache_dir:
+            problems.append("teacher.cache_dir: source=cache needs the cache directory")
+        if self.train.mode == "lora" and self.student is None:
+            problems.append("train.mode: lora needs a pretrained student checkpoint")
+        return problems

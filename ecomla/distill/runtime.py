@@ -1,0 +1,69 @@
+"""Process-group set-up for one or many processes, and rank-0-only output.
+
+`deepspeed` and `torchrun` launchers set RANK/WORLD_SIZE/LOCAL_RANK and the
+master address; a plain `ecomla distill` sets them for a single process, so
+the same code path (DeepSpeed on gloo or NCCL) serves every launch.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed() -> Dist:
+    """Initialize torch.distributed through DeepSpeed (NCCL on GPUs, gloo on CPU)."""
+    import deepspeed
+
+    if "RANK" not in os.environ:  # a single process without a launcher
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    if not torch.distributed.is_initialized():
+        deepspeed.init_distributed(dist_backend=backend)
+    return Dist(torch.distributed.get_rank(), torch.distributed.get_world_size(), local_rank, device)
+
+
+def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(t)
+    return t.tolist()
+
+
+def all_reduce_max(value: int, device: torch.device) -> int:
+    t = torch.tensor([value], dtype=torch.long, device=device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return int(t.item())
+
+
+def barrier() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()

@@ -1,0 +1,412 @@
+"""The project's only training loop: knowledge distillation (and, with CE only, pretraining) on DeepSpeed.
+
+    deepspeed --num_gpus 8 -m ecomla.distill RECIPE.yaml [--set ...]
+    torchrun --nproc_per_node 2 -m ecomla.distill RECIPE.yaml
+    ecomla distill RECIPE.yaml        # one process, no launcher
+    ecomla pretrain RECIPE.yaml       # CE only, student built from student_config
+
+One recipe class, `DistillRun`, with `setup()`, `train()`, `save_checkpoint()`
+and `export()`. Everything that can be wrong with the input (recipe, data,
+batch arithmetic, vocabularies) fails in `setup()` before any compute.
+
+Per step: the step's micro-batches come from a deterministic, resumable
+sampler; the loss of each micro-batch is a SUM over its target tokens scaled by
+world·accum/N_step, so after DeepSpeed's averaging over ranks and accumulation
+the gradient is that of the mean over every target token of the step (not of
+per-sequence means). Logits are computed in chunks inside the loss. A NaN or inf
+loss on any rank stops the run before the optimizer sees it; the last
+checkpoint stays the last good one.
+
+Trainable sets (full, stage schedule, LoRA) are parameter groups whose LR is
+zero while frozen, so one DeepSpeed engine serves the whole run under every
+ZeRO stage, and the schedule is a pure function of the step (exact resume).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import random
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from ecomla.data.packing import target_mask
+from ecomla.data.sampler import StepSampler
+from ecomla.distill import models
+from ecomla.distill.data import model_inputs, open_dataset
+from ecomla.distill.ds_config import build_ds_config, teacher_ds_config
+from ecomla.distill.losses import KDLoss, LossSpec, chunked_loss
+from ecomla.distill.recipe import DistillRecipe
+from ecomla.distill.runtime import Dist, all_reduce_max, all_reduce_sum, barrier, init_distributed
+from ecomla.distill.teacher import CachedTeacher, LiveTeacher
+from ecomla.recipe.schema import recipe_to_dict, save_recipe
+
+
+class TrainingError(RuntimeError):
+    """The run cannot go on (bad input found at set-up, or a non-finite loss)."""
+
+
+class NonFiniteLoss(TrainingError):
+    pass
+
+
+def lr_at(step: int, total: int, peak: float, warmup_ratio: float, min_ratio: float) -> float:
+    """Linear warmup over ceil(warmup_ratio·total) steps, then cosine decay to peak·min_ratio."""
+    warm = math.ceil(warmup_ratio * total)
+    if step < warm:
+        return peak * (step + 1) / warm
+    progress = (step - warm) / max(1, total - warm)
+    return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def _rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if state.get("cuda") is not None:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class DistillRun:
+    """One training run of a recipe: `setup()`, then `train()`, which checkpoints and exports."""
+
+    def __init__(self, recipe: DistillRecipe, *, force: bool = False, progress: bool = True):
+        self.recipe = recipe
+        self.force = force
+        self.progress = progress
+        self.out = Path(recipe.output_dir)
+        self.ckpt_dir = self.out / "checkpoints"
+
+    # ---- set-up: every check before any compute ------------------------------------------------------
+    def setup(self) -> None:
+        r = self.recipe
+        self.dist: Dist = init_distributed()
+        dist = self.dist
+        if self.force and dist.is_main and self.out.exists():
+            shutil.rmtree(self.out)
+        barrier()
+        tok_path = r.tokenizer or r.student or r.teacher.model
+        if tok_path is None:
+            raise TrainingError("tokenizer: set `tokenizer` (pretraining has no student checkpoint to take it from)")
+        self.tokenizer = models.load_tokenizer(tok_path)
+        self.tokenizer_dir = Path(tok_path) if Path(tok_path).is_dir() else None
+        T = r.data.seq_len
+        self.train_data = open_dataset(r.data.train, self.tokenizer, T, "data.train")
+        self.eval_data = open_dataset(r.data.eval, self.tokenizer, T, "data.eval") if r.data.eval else None
+
+        seqs_per_step, rem = divmod(r.train.global_batch_tokens, T)
+        per_pass = r.train.micro_batch_size * dist.world_size
+        if rem or seqs_per_step % per_pass:
+            raise TrainingError(
+                f"train.global_batch_tokens: {r.train.global_batch_tokens} tokens = {r.train.global_batch_tokens / T:g} "
+                f"sequences of {T}, which must be a whole multiple of micro_batch_size × world size = "
+                f"{r.train.micro_batch_size} × {dist.world_size} = {per_pass}"
+            )
+        self.grad_accum = seqs_per_step // per_pass
+        self.total_steps = r.train.total_tokens // r.train.global_batch_tokens
+        if self.total_steps < 1:
+            raise TrainingError(f"train.total_tokens: {r.train.total_tokens} is less than one global batch")
+        self.sampler = StepSampler(len(self.train_data), r.train.micro_batch_size, self.grad_accum,
+                                   dist.world_size, dist.rank, r.train.seed)
+        self.spec = LossSpec(kind=r.loss.kind, temperature=r.loss.temperature, kd_weight=r.loss.kd_weight,
+                             ce_weight=r.loss.ce_weight, mix=r.loss.mix)
+        self.dtype = torch.bfloat16 if r.train.precision == "bf16" else torch.float32
+        self.ds_config = build_ds_config(r, dist.world_size, self.grad_accum)
+        self._build_models()
+
+    def _build_models(self) -> None:
+        import deepspeed
+        from transformers.integrations import HfDeepSpeedConfig
+
+        r, dist = self.recipe, self.dist
+        # Alive while models are built: ZeRO-3 partitions them at construction, weight init intact.
+        self._hf_ds = HfDeepSpeedConfig(self.ds_config) if r.deepspeed.zero_stage == 3 else None
+        torch.manual_seed(r.train.seed)
+        if r.student is not None:
+            student = models.load_causal_lm(r.student, self.dtype, "student")
+        else:
+            student = models.build_from_config(r.student_config, self.dtype)
+        teacher_model = None
+        self.teacher = None
+        if self.spec.uses_teacher:
+            if r.teacher.source == "live":
+                t_dtype = self.dtype if r.teacher.dtype == "auto" else {"float32": torch.float32, "bfloat16": torch.bfloat16}[r.teacher.dtype]
+                teacher_model = models.load_causal_lm(r.teacher.model, t_dtype, "teacher").eval().requires_grad_(False)
+                t_tok = models.load_tokenizer(r.teacher.model)
+                problems = models.check_pair(student.config, teacher_model.config, self.tokenizer, t_tok)
+                if problems:
+                    raise TrainingError("; ".join(problems))
+            else:
+                self.teacher = CachedTeacher(r.teacher.cache_dir, self.train_data, r.loss.temperature, student.config.vocab_size)
+        if len(self.tokenizer) > student.config.vocab_size:
+            raise TrainingError(f"tokenizer: {len(self.tokenizer)} tokens, but the student's vocab is {student.config.vocab_size}")
+        if r.train.gradient_checkpointing:
+            student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if r.train.mode == "lora":
+            student = models.apply_lora(student, r.train.lora)
+        names, params = zip(*[(n, p) for n, p in student.named_parameters() if p.requires_grad])
+        if r.train.mode == "stages":
+            stage_of = models.stage_groups(names, [s.trainable for s in r.train.stages])
+            self.stage_bounds = np.cumsum([s.fraction for s in r.train.stages])
+        else:
+            stage_of = [0] * len(names)
+            self.stage_bounds = np.array([1.0])
+        groups = [{"params": [p for p, g in zip(params, stage_of) if g == k], "first_stage": k}
+                  for k in range(len(self.stage_bounds))]
+        groups = [g for g in groups if g["params"]]
+        opt = torch.optim.AdamW([{"params": g["params"]} for g in groups], lr=r.train.lr,
+                                betas=tuple(r.train.betas), weight_decay=r.train.weight_decay)
+        self.group_first_stage = [g["first_stage"] for g in groups]
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=student, optimizer=opt, config=self.ds_config)
+        if teacher_model is not None:
+            if r.deepspeed.zero_stage == 3:
+                t_engine = deepspeed.initialize(model=teacher_model, config=teacher_ds_config(self.ds_config))[0]
+                t_engine.eval()
+                teacher_model = t_engine.module
+            else:
+                teacher_model = teacher_model.to(dist.device)
+            self.teacher = LiveTeacher(teacher_model, r.loss.temperature)
+        self.student = self.engine.module
+
+    # ---- the loop ------------------------------------------------------------------------------------------
+    def stage_at(self, step: int) -> int:
+        return int(np.searchsorted(self.stage_bounds, (step + 0.5) / self.total_steps))
+
+    def _set_lr(self, step: int) -> float:
+        t = self.recipe.train
+        lr = lr_at(step, self.total_steps, t.lr, t.warmup_ratio, t.min_lr_ratio)
+        stage = self.stage_at(step)
+        for group, first in zip(self.optimizer.param_groups, self.group_first_stage):
+            group["lr"] = lr if first <= stage else 0.0
+        return lr
+
+    def _loss_sums(self, batch: dict, indices: list[int], teacher=None, spec: LossSpec | None = None):
+        """Loss sums of one micro-batch; `teacher`/`spec` default to the run's."""
+        r = self.recipe
+        teacher = self.teacher if teacher is None else teacher
+        spec = spec or self.spec
+        mi = model_inputs(batch, r.data.cross_document_attention, self.dtype, self.dist.device)
+        valid = mi["valid"]
+        teacher_fn = teacher.prepare(mi["inputs"], valid, indices) if teacher is not None and spec.uses_teacher else None
+        hidden = self.student.get_decoder()(**mi["inputs"]).last_hidden_state[valid]  # (N, d)
+        head = self.student.get_output_embeddings()
+        num_chunks = None
+        if r.deepspeed.zero_stage == 3 and self.dist.world_size > 1:
+            # ZeRO-3 gathers the head's weight at every call, collectively: same call count on every rank.
+            num_chunks = max(1, all_reduce_max(math.ceil(hidden.shape[0] / r.loss.chunk_tokens), self.dist.device))
+        return chunked_loss(hidden, head, teacher_fn, mi["targets"][valid], spec, r.loss.chunk_tokens,
+                            num_chunks=num_chunks)
+
+    def train(self) -> dict:
+        r, dist = self.recipe, self.dist
+        start_step = self._maybe_resume()
+        if dist.is_main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            save_recipe(r, self.out / "ecomla_recipe.yaml")
+        metrics_path = self.out / "metrics.jsonl"
+        logger = _Logger(self.out, r.log, dist.is_main, start_step)
+        bar = tqdm(total=self.total_steps, initial=start_step, desc="distill", unit="step",
+                   disable=not (self.progress and dist.is_main))
+        tokens_per_step = r.train.global_batch_tokens
+        last = {}
+        self.engine.train()
+        for step in range(start_step, self.total_steps):
+            t0 = time.time()
+            lr = self._set_lr(step)
+            micro = [self.sampler.indices(step, j) for j in range(self.grad_accum)]
+            batches = [self.train_data.batch(ix) for ix in micro]
+            local_targets = sum(int(target_mask(b["segments"], b["loss_mask"]).sum()) for b in batches)
+            n_step = all_reduce_sum([local_targets], dist.device)[0]
+            scale = dist.world_size * self.grad_accum / max(1.0, n_step)
+            sums = [0.0, 0.0, 0.0]
+            for ix, batch in zip(micro, batches):
+                loss_sums = self._loss_sums(batch, ix)
+                finite = all_reduce_sum([float(torch.isfinite(loss_sums.total).item() is False)], dist.device)[0] == 0
+                if not finite:
+                    raise NonFiniteLoss(
+                        f"non-finite loss at step {step}; stopped before the update. The last good checkpoint "
+                        f"is in {self.ckpt_dir} (lower train.lr, or check the data)"
+                    )
+                self.engine.backward(loss_sums.total * scale)
+                self.engine.step()
+                sums = [a + float(b) for a, b in zip(sums, (loss_sums.total, loss_sums.kd, loss_sums.ce))]
+            total, kd, ce = (x / max(1.0, n_step) for x in all_reduce_sum(sums, dist.device))
+            dt = time.time() - t0
+            last = {"step": step + 1, "tokens": (step + 1) * tokens_per_step, "loss": total, "kd": kd, "ce": ce,
+                    "lr": lr, "stage": self.stage_at(step), "tokens_per_s": tokens_per_step / dt, "target_tokens": int(n_step)}
+            if self._due(step, r.log.eval_every_steps) and self.eval_data is not None:
+                last.update(self.evaluate())
+            logger.log(last, metrics_path)
+            bar.set_postfix(loss=f"{total:.4f}", tok_s=f"{last['tokens_per_s']:.0f}")
+            bar.update(1)
+            if self._due(step, r.checkpoint.every_steps) and step + 1 < self.total_steps:
+                self.save_checkpoint(step + 1)
+        bar.close()
+        if self.eval_data is not None and "eval_ce" not in last:
+            last.update(self.evaluate())
+            logger.log({**last, "final_eval": True}, metrics_path)
+        self.save_checkpoint(self.total_steps)
+        final = self.export()
+        logger.close()
+        return {**last, "final": str(final)}
+
+    def _due(self, step: int, every: int) -> bool:
+        return every > 0 and (step + 1) % every == 0
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Held-out KD and CE per target token over the first eval_batches micro-batches (rank-sharded).
+
+        A cached teacher covers training sequences only, so with one the evaluation is CE alone.
+        """
+        r, dist = self.recipe, self.dist
+        live = isinstance(self.teacher, LiveTeacher)
+        spec = self.spec if live else LossSpec(kind=KDLoss.NONE, kd_weight=0.0, ce_weight=1.0)
+        self.engine.eval()
+        sums = [0.0, 0.0, 0.0]
+        mb, n = r.train.micro_batch_size, len(self.eval_data)
+        for j in range(r.log.eval_batches):
+            first = (j * dist.world_size + dist.rank) * mb
+            ix = list(range(first, min(first + mb, n)))
+            if ix:
+                s = self._loss_sums(self.eval_data.batch(ix), ix, self.teacher if live else None, spec)
+                sums = [a + b for a, b in zip(sums, (float(s.kd), float(s.ce), s.tokens))]
+        kd, ce, tokens = all_reduce_sum(sums, dist.device)
+        self.engine.train()
+        out = {"eval_ce": ce / max(1.0, tokens), "eval_tokens": int(tokens)}
+        if live:
+            out["eval_kd"] = kd / max(1.0, tokens)
+        return out
+
+    # ---- checkpoints --------------------------------------------------------------------------------------
+    def _fingerprint(self) -> dict:
+        """What a resumed run must share with the checkpoint (outputs and logging may change)."""
+        d = recipe_to_dict(self.recipe)
+        for key in ("log", "checkpoint", "output_dir"):
+            d.pop(key, None)
+        return d
+
+    def save_checkpoint(self, step: int) -> None:
+        """A resumable checkpoint: DeepSpeed's model/optimizer state plus each rank's RNG, then `latest`."""
+        tag = f"step_{step:08d}"
+        tag_dir = self.ckpt_dir / tag
+        if self.dist.is_main:
+            tag_dir.mkdir(parents=True, exist_ok=True)
+        barrier()
+        torch.save(_rng_state(), tag_dir / f"rng_rank{self.dist.rank:03d}.pt")
+        if self.dist.is_main:
+            state = {"step": step, "sampler": self.sampler.describe(), "recipe": self._fingerprint()}
+            (tag_dir / "trainer_state.json").write_text(json.dumps(state, indent=2, default=str) + "\n")
+        barrier()
+        # DeepSpeed writes `latest` last, so a kill mid-save leaves the previous checkpoint as the latest.
+        self.engine.save_checkpoint(str(self.ckpt_dir), tag=tag)
+        barrier()
+        if self.dist.is_main:
+            kept = sorted(p for p in self.ckpt_dir.iterdir() if p.is_dir() and p.name.startswith("step_"))
+            for old in kept[: -max(1, self.recipe.checkpoint.keep_last)]:
+                if old.name != tag:
+                    shutil.rmtree(old, ignore_errors=True)
+
+    def _maybe_resume(self) -> int:
+        latest = self.ckpt_dir / "latest"
+        if not latest.is_file():
+            return 0
+        tag = latest.read_text().strip()
+        tag_dir = self.ckpt_dir / tag
+        state = json.loads((tag_dir / "trainer_state.json").read_text())
+        if json.loads(json.dumps(self._fingerprint(), default=str)) != state["recipe"]:
+            raise TrainingError(
+                f"{self.out} holds a checkpoint of a different recipe; use a new output_dir, or --force to start over"
+            )
+        self.sampler.check_compatible(state["sampler"])
+        path, _ = self.engine.load_checkpoint(str(self.ckpt_dir), tag=tag)
+        if path is None:
+            raise TrainingError(f"DeepSpeed could not load checkpoint {tag_dir}")
+        rng_file = tag_dir / f"rng_rank{self.dist.rank:03d}.pt"
+        if rng_file.is_file():
+            _set_rng_state(torch.load(rng_file, weights_only=False))
+        if self.dist.is_main:
+            print(f"resumed from {tag_dir} at step {state['step']}", flush=True)
+        return int(state["step"])
+
+    # ---- export ---------------------------------------------------------------------------------------------
+    def export(self) -> Path:
+        """A consolidated HF checkpoint in <output_dir>/final (gathered from ZeRO-3, LoRA merged)."""
+        import deepspeed
+
+        final = self.out / "final"
+        params = list(self.student.parameters())
+        ctx = deepspeed.zero.GatheredParameters(params, modifier_rank=None) if self.recipe.deepspeed.zero_stage == 3 else contextlib.nullcontext()
+        with ctx:
+            if self.dist.is_main:
+                state = {k: v.detach().cpu().clone() for k, v in self.student.state_dict().items()}
+                models.export_model(self.student, state, final, self.tokenizer_dir, self.recipe.train.mode == "lora")
+                save_recipe(self.recipe, final / "ecomla_recipe.yaml")
+        barrier()
+        return final
+
+
+class _Logger:
+    """Rank-0 metrics: metrics.jsonl (truncated to the resumed step), TensorBoard and W&B when installed."""
+
+    def __init__(self, out: Path, cfg, main: bool, start_step: int):
+        self.main, self.cfg = main, cfg
+        self.tb = self.wandb = None
+        if not main:
+            return
+        path = out / "metrics.jsonl"
+        if path.exists():  # drop steps logged after the checkpoint we resumed from
+            keep = [l for l in path.read_text().splitlines() if l and json.loads(l)["step"] <= start_step]
+            path.write_text("".join(k + "\n" for k in keep))
+        if cfg.tensorboard:
+            with contextlib.suppress(ImportError):
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(out / "tensorboard"))
+        if cfg.wandb_project:
+            with contextlib.suppress(ImportError):
+                import wandb
+
+                self.wandb = wandb.init(project=cfg.wandb_project, dir=str(out))
+
+    def log(self, row: dict, path: Path) -> None:
+        if not self.main:
+            return
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if row["step"] % max(1, self.cfg.every_steps) == 0:
+            for k, v in row.items():
+                if isinstance(v, (int, float)) and k != "step":
+                    if self.tb is not None:
+                        self.tb.add_scalar(k, v, row["step"])
+            if self.wandb is not None:
+                self.wandb.log(row, step=row["step"])
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def run(recipe: DistillRecipe, *, force: bool = False, progress: bool = True) -> dict:
+    job = DistillRun(recipe, force=force, progress=progress)
+    job.setup()
+    result = job.train()
+    if job.dist.is_main:
+        print(json.dumps({k: v for k, v in result.items() if k != "stage"}, indent=None), flush=True)
+    return result
+
+
+__all__ = ["DistillRun", "run", "lr_at", "TrainingError", "NonFiniteLoss"]
