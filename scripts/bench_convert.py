@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import shutil
@@ -36,12 +37,13 @@ import yaml
 
 GiB = 1 << 30
 # Llama-3.2-1B (meta-llama/Llama-3.2-1B config.json); num_hidden_layers is --layers.
-LLAMA_1B = dict(
-    vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8,
-    head_dim=64, tie_word_embeddings=True, rms_norm_eps=1e-5, max_position_embeddings=131072, dtype="bfloat16",
-    rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=32.0, low_freq_factor=1.0,
-                         high_freq_factor=4.0, original_max_position_embeddings=8192),
-)
+LLAMA_1B = {
+    "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "head_dim": 64, "tie_word_embeddings": True, "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 131072, "dtype": "bfloat16",
+    "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+}
 LAYERS_PER_SHARD = 4
 
 
@@ -60,13 +62,7 @@ def layer_shapes() -> dict[str, tuple[int, ...]]:
 
 def layer_bytes() -> int:
     """Bytes of one decoder layer in bf16."""
-    total = 0
-    for shape in layer_shapes().values():
-        n = 1
-        for s in shape:
-            n *= s
-        total += 2 * n
-    return total
+    return sum(2 * math.prod(shape) for shape in layer_shapes().values())
 
 
 def build_checkpoint(dest: Path, layers: int) -> None:
@@ -152,6 +148,75 @@ def measure(cmd: list[str], log: Path) -> Run:
     return Run(proc.returncode, wall, usage.ru_maxrss * 1024, peak["VmRSS"], peak["RssAnon"], peak["RssFile"])
 
 
+def bench(args: argparse.Namespace) -> dict | None:
+    """Build (or reuse) the checkpoint, measure floor and conversion; the results dict, or None on failure."""
+    load = os.getloadavg()[0]  # other work on the machine slows the wall times (not the memory)
+    work = args.workdir.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    ckpt = work / f"llama-3.2-1b-shapes-L{args.layers}"
+    if is_complete(ckpt):
+        print(f"reusing {ckpt}")
+    else:
+        print(f"building {ckpt} ...", flush=True)
+        subprocess.run([sys.executable, __file__, "--layers", str(args.layers), "--build-only", str(ckpt)], check=True)
+        os.sync()  # flush the fresh shards now: their writeback would otherwise slow the measured run
+    ckpt_bytes = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
+
+    out_dir = work / f"converted-L{args.layers}"
+    recipe = work / f"recipe-L{args.layers}.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "model": str(ckpt), "output_dir": str(out_dir), "dtype": "bfloat16", "device": "cpu",
+        "mla": {"kv_lora_rank": 64, "qk_rope_head_dim": 32}, "init": {"method": "svd"},
+    }, sort_keys=False))
+    print("measuring the import floor ...", flush=True)
+    floor = measure([sys.executable, "-c", "import torch, transformers, ecomla.convert.converter"], work / "floor.log")
+    print(f"converting ({args.layers} layers) ...", flush=True)
+    conv = measure([sys.executable, "-m", "ecomla", "convert", str(recipe), "--force", "--quiet"], work / "convert.log")
+    for name, r in (("floor", floor), ("convert", conv)):
+        if r.returncode != 0:
+            print(f"{name} child failed; end of {work / name}.log:\n" + (work / f"{name}.log").read_text()[-4000:])
+            return None
+    converter_s = json.loads((out_dir / "conversion_report.json").read_text())["seconds"]
+    out_bytes = sum(f.stat().st_size for f in out_dir.glob("*.safetensors"))
+    if not args.keep:
+        shutil.rmtree(out_dir)
+
+    target = 1.5 * ckpt_bytes + layer_bytes()
+    return {
+        "layers": args.layers, "checkpoint_bytes": ckpt_bytes, "checkpoint_gib": ckpt_bytes / GiB,
+        "layer_bytes_bf16": layer_bytes(), "output_bytes": out_bytes,
+        "wall_s": {"floor": floor.wall_s, "convert": conv.wall_s, "converter_reported": converter_s},
+        "floor": asdict(floor), "convert": asdict(conv),
+        "peak_rss_gib": conv.maxrss_bytes / GiB, "floor_rss_gib": floor.maxrss_bytes / GiB,
+        "peak_minus_floor_gib": (conv.maxrss_bytes - floor.maxrss_bytes) / GiB,
+        "peak_over_checkpoint": conv.maxrss_bytes / ckpt_bytes,
+        "target_bytes": target, "peak_over_target": conv.maxrss_bytes / target, "pass": conv.maxrss_bytes <= target,
+        "machine": {"cpus": os.cpu_count(), "torch": version("torch"), "transformers": version("transformers"),
+                    "load_avg_1min_at_start": load, "python": platform.python_version(),
+                    "platform": platform.platform()},
+    }
+
+
+def print_table(r: dict) -> None:
+    def gib(b: float) -> str:
+        return f"{b / GiB:7.3f}"
+
+    m, ckpt = r["machine"], r["checkpoint_bytes"]
+    print(f"\ncheckpoint: {r['layers']} layers, {ckpt:,} B ({ckpt / GiB:.3f} GiB); "
+          f"one layer {r['layer_bytes_bf16']:,} B; output {r['output_bytes'] / GiB:.3f} GiB")
+    print(f"machine: {m['cpus']} CPUs, torch {m['torch']}, load average {m['load_avg_1min_at_start']:.2f} at start\n")
+    print(f"{'process':<9} {'wall s':>7} {'maxRSS GiB':>10} {'polled':>7} {'anon':>7} {'file':>7}")
+    for name in ("floor", "convert"):
+        p = r[name]
+        print(f"{name:<9} {p['wall_s']:7.1f} {gib(p['maxrss_bytes']):>10} {gib(p['polled_rss_bytes'])} "
+              f"{gib(p['polled_anon_bytes'])} {gib(p['polled_file_bytes'])}")
+    print(f"\nconverter's own time            {r['wall_s']['converter_reported']:8.1f} s")
+    print(f"peak RSS - floor                {r['peak_minus_floor_gib']:8.3f} GiB")
+    print(f"peak RSS / checkpoint           {r['peak_over_checkpoint']:8.3f}")
+    verdict = "PASS" if r["pass"] else "FAIL"
+    print(f"peak RSS / (1.5 ckpt + 1 layer) {r['peak_over_target']:8.3f}   {verdict} (target <= 1)")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=16, help="decoder layers (Llama-3.2-1B has 16)")
@@ -163,74 +228,12 @@ def main() -> int:
     if args.build_only is not None:
         build_checkpoint(args.build_only, args.layers)
         return 0
-
-    load = os.getloadavg()[0]  # other work on the machine slows the wall times (not the memory)
-    work = args.workdir.resolve()
-    work.mkdir(parents=True, exist_ok=True)
-    ckpt = work / f"llama-3.2-1b-shapes-L{args.layers}"
-    if is_complete(ckpt):
-        print(f"reusing {ckpt}")
-    else:
-        print(f"building {ckpt} ...", flush=True)
-        build = [sys.executable, __file__, "--layers", str(args.layers), "--build-only", str(ckpt)]
-        subprocess.run(build, check=True)
-        os.sync()  # flush the fresh shards now: their writeback would otherwise slow the measured run
-    ckpt_bytes = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
-    layer = layer_bytes()
-
-    out_dir = work / f"converted-L{args.layers}"
-    recipe = work / f"recipe-L{args.layers}.yaml"
-    recipe.write_text(yaml.safe_dump({
-        "model": str(ckpt), "output_dir": str(out_dir), "dtype": "bfloat16", "device": "cpu",
-        "mla": {"kv_lora_rank": 64, "qk_rope_head_dim": 32}, "init": {"method": "svd"},
-    }, sort_keys=False))
-    floor_cmd = [sys.executable, "-c", "import torch, transformers, ecomla.convert.converter"]
-    convert_cmd = [sys.executable, "-m", "ecomla", "convert", str(recipe), "--force", "--quiet"]
-    print("measuring the import floor ...", flush=True)
-    floor = measure(floor_cmd, work / "floor.log")
-    print(f"converting ({args.layers} layers) ...", flush=True)
-    conv = measure(convert_cmd, work / "convert.log")
-    if conv.returncode != 0 or floor.returncode != 0:
-        bad = "convert" if conv.returncode else "floor"
-        print(f"{bad} child failed; log:\n" + (work / f"{bad}.log").read_text()[-4000:], file=sys.stderr)
+    result = bench(args)
+    if result is None:
         return 1
-    converter_s = json.loads((out_dir / "conversion_report.json").read_text())["seconds"]
-    out_bytes = sum(f.stat().st_size for f in out_dir.glob("*.safetensors"))
-    if not args.keep:
-        shutil.rmtree(out_dir)
-
-    target = 1.5 * ckpt_bytes + layer
-    result = {
-        "layers": args.layers,
-        "checkpoint_bytes": ckpt_bytes, "checkpoint_gib": ckpt_bytes / GiB,
-        "layer_bytes_bf16": layer, "output_bytes": out_bytes,
-        "wall_s": {"floor": floor.wall_s, "convert": conv.wall_s, "converter_reported": converter_s},
-        "floor": asdict(floor), "convert": asdict(conv),
-        "peak_rss_gib": conv.maxrss_bytes / GiB, "floor_rss_gib": floor.maxrss_bytes / GiB,
-        "peak_minus_floor_gib": (conv.maxrss_bytes - floor.maxrss_bytes) / GiB,
-        "peak_over_checkpoint": conv.maxrss_bytes / ckpt_bytes,
-        "target_bytes": target,
-        "peak_over_target": conv.maxrss_bytes / target,
-        "pass": conv.maxrss_bytes <= target,
-        "machine": {"cpus": os.cpu_count(), "torch": version("torch"), "transformers": version("transformers"),
-                    "load_avg_1min_at_start": load, "python": platform.python_version(), "platform": platform.platform()},
-    }
-    out = args.out or work / "bench_convert.json"
+    out = args.out or args.workdir.resolve() / "bench_convert.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
-
-    g = lambda b: f"{b / GiB:7.3f}"  # noqa: E731
-    print(f"\ncheckpoint: {args.layers} layers, {ckpt_bytes:,} B ({ckpt_bytes / GiB:.3f} GiB); "
-          f"one layer {layer:,} B ({layer / GiB:.3f} GiB); output {out_bytes / GiB:.3f} GiB")
-    print(f"machine: {os.cpu_count()} CPUs, torch {version('torch')}, load average {load:.2f} at start\n")
-    print(f"{'process':<9} {'wall s':>7} {'maxRSS GiB':>10} {'polled':>7} {'anon':>7} {'file':>7}")
-    for name, r in (("floor", floor), ("convert", conv)):
-        print(f"{name:<9} {r.wall_s:7.1f} {g(r.maxrss_bytes):>10} {g(r.polled_rss_bytes)} "
-              f"{g(r.polled_anon_bytes)} {g(r.polled_file_bytes)}")
-    print(f"\nconverter's own time            {converter_s:8.1f} s")
-    print(f"peak RSS - floor                {result['peak_minus_floor_gib']:8.3f} GiB")
-    print(f"peak RSS / checkpoint           {result['peak_over_checkpoint']:8.3f}")
-    print(f"peak RSS / (1.5 ckpt + 1 layer) {result['peak_over_target']:8.3f}   "
-          f"{'PASS' if result['pass'] else 'FAIL'} (target <= 1)")
+    print_table(result)
     print(f"\nwrote {out}")
     return 0 if result["pass"] else 1
 

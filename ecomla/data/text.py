@@ -24,6 +24,8 @@ def _local_files(path: Path) -> tuple[str, list[str]]:
     files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in _BUILDERS)
     if not files:
         raise DataError(f"{path}: no .jsonl/.json/.txt/.parquet files found")
+    if all(p.stat().st_size == 0 for p in files):
+        raise DataError(f"{path}: empty (no documents); point it at a file with data")
     builders = {_BUILDERS.get(p.suffix) for p in files}
     if None in builders:
         raise DataError(f"{path}: unsupported file type (use .jsonl, .json, .txt or .parquet)")

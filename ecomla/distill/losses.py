@@ -131,7 +131,7 @@ class TeacherDist:
 
 def _kl(log_a: Tensor, log_b: Tensor) -> Tensor:
     """Σ_v a_v·(log a_v − log b_v) over the last dim, with 0·log 0 = 0 and NaN-free gradients."""
-    live = log_a > -math.inf
+    live = ~torch.isneginf(log_a)  # not `> -inf`: a NaN must stay live and surface, never count as 0
     # Sanitize dead entries *before* the arithmetic: a where() after it would still
     # send NaN gradients (0·∞) back through exp(−inf)·(−inf − x).
     log_a = torch.where(live, log_a, 0.0)

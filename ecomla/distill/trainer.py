@@ -25,6 +25,7 @@ ZeRO stage, and the schedule is a pure function of the step (exact resume).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import random
@@ -219,7 +220,7 @@ class DistillRun:
         bar = tqdm(total=self.total_steps, initial=start_step, desc="distill", unit="step",
                    disable=not (self.progress and dist.is_main))
         tokens_per_step = r.train.global_batch_tokens
-        last = {}
+        last = {"step": start_step, "tokens": start_step * tokens_per_step}  # resumed at the very end: nothing to run
         self.engine.train()
         for step in range(start_step, self.total_steps):
             t0 = time.time()
@@ -240,11 +241,15 @@ class DistillRun:
                     )
                 self.engine.backward(loss_sums.total * scale)
                 self.engine.step()
-                sums = [a + float(b) for a, b in zip(sums, (loss_sums.total, loss_sums.kd, loss_sums.ce))]
+                sums = [a + float(b.detach()) for a, b in zip(sums, (loss_sums.total, loss_sums.kd, loss_sums.ce))]
             total, kd, ce = (x / max(1.0, n_step) for x in all_reduce_sum(sums, dist.device))
             dt = time.time() - t0
+            # A digest of the step's sequence ids (this rank's), so resumed runs can be checked for repeats or gaps.
+            data_digest = hashlib.sha1(json.dumps(micro).encode()).hexdigest()[:12]
             last = {"step": step + 1, "tokens": (step + 1) * tokens_per_step, "loss": total, "kd": kd, "ce": ce,
-                    "lr": lr, "stage": self.stage_at(step), "tokens_per_s": tokens_per_step / dt, "target_tokens": int(n_step)}
+                    "data": data_digest,
+                    "lr": lr, "stage": self.stage_at(step), "tokens_per_s": tokens_per_step / dt,
+                    "target_tokens": int(n_step)}
             if self._due(step, r.log.eval_every_steps) and self.eval_data is not None:
                 last.update(self.evaluate())
             logger.log(last, metrics_path)
@@ -256,7 +261,8 @@ class DistillRun:
         if self.eval_data is not None and "eval_ce" not in last:
             last.update(self.evaluate())
             logger.log({**last, "final_eval": True}, metrics_path)
-        self.save_checkpoint(self.total_steps)
+        if start_step < self.total_steps:
+            self.save_checkpoint(self.total_steps)
         final = self.export()
         logger.close()
         return {**last, "final": str(final)}
@@ -367,7 +373,8 @@ class _Logger:
             return
         path = out / "metrics.jsonl"
         if path.exists():  # drop steps logged after the checkpoint we resumed from
-            keep = [l for l in path.read_text().splitlines() if l and json.loads(l)["step"] <= start_step]
+            rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            keep = [json.dumps(row) for row in rows if row.get("step", 0) <= start_step and not row.get("final_eval")]
             path.write_text("".join(k + "\n" for k in keep))
         if cfg.tensorboard:
             with contextlib.suppress(ImportError):

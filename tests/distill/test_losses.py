@@ -312,3 +312,14 @@ def test_slice_and_validation_of_teacher_dist():
         TeacherDist(logp=t, topk_idx=sparse.topk_idx, topk_logp=sparse.topk_logp, tail_logp=sparse.tail_logp)
     with pytest.raises(ValueError, match="k must be"):
         TeacherDist.topk_from_logits(t, 1.0, 10)
+
+
+@pytest.mark.parametrize("kind", ["forward_kl", "reverse_kl", "jsd", "skew_kl"])
+def test_nan_teacher_is_not_silently_zeroed(kind):
+    """A NaN in the teacher must give a NaN loss, so the trainer can stop; masking 0·log 0 must not hide it."""
+    logits = torch.randn(3, 5)
+    teacher_logits = torch.randn(3, 5)
+    teacher_logits[1] = float("nan")
+    spec = LossSpec(kind=KDLoss(kind))
+    kd = kd_per_token(logits, TeacherDist.from_logits(teacher_logits, 1.0), spec)
+    assert torch.isnan(kd[1]) and torch.isfinite(kd[[0, 2]]).all()

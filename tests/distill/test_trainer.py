@@ -1,0 +1,177 @@
+"""The training loop, launched as users launch it: loss falls, export loads, resume is exact, bad input fails early."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DeepseekV3ForCausalLM
+
+from tests.distill import world as w
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, tokenizer_dir, corpus_dir):
+    return w.build_world(tmp_path_factory.mktemp("world"), tokenizer_dir, corpus_dir)
+
+
+def _falls(rows, key="kd"):
+    losses = [r[key] for r in rows]
+    head, tail = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
+    return tail < 0.9 * head, losses
+
+
+def test_one_process_kd_falls_and_exports_stock_checkpoint(world, tmp_path):
+    out = tmp_path / "run"
+    proc = w.run(w.write_recipe(tmp_path / "r.yaml", w.recipe(world, out)))
+    assert proc.returncode == 0, w.errors(proc)
+    rows = w.metrics(out)
+    assert [r["step"] for r in rows if not r.get("final_eval")] == list(range(1, 13))
+    ok, losses = _falls(rows)
+    assert ok, losses
+    model = AutoModelForCausalLM.from_pretrained(out / "final")
+    assert type(model) is DeepseekV3ForCausalLM
+    assert (out / "final" / "tokenizer.json").exists() and (out / "final" / "ecomla_recipe.yaml").exists()
+    final = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "eval_kd" in final and final["eval_tokens"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_two_processes_zero(world, tmp_path, stage):
+    out = tmp_path / f"z{stage}"
+    r = w.recipe(world, out, deepspeed={"zero_stage": stage, "config": f"recipes/deepspeed/zero{stage}.json"},
+                 train={"micro_batch_size": 1})
+    proc = w.run(w.write_recipe(tmp_path / "r.yaml", r), procs=2)
+    assert proc.returncode == 0, w.errors(proc)
+    ok, losses = _falls(w.metrics(out))
+    assert ok, losses
+    model = AutoModelForCausalLM.from_pretrained(out / "final")
+    assert type(model) is DeepseekV3ForCausalLM
+    student = AutoModelForCausalLM.from_pretrained(world["student"])
+    moved = max((a - b).abs().max().item() for a, b in zip(model.parameters(), student.parameters()))
+    assert moved > 0  # the export holds the trained weights, not the initial ones
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("procs", [1, 2])
+def test_resume_after_kill_reproduces_losses(world, tmp_path, procs):
+    # 24 steps, checkpoints every 4, killed once 5 are logged: it resumes from step 4 or 8 of 24.
+    extra = {"train": {"total_tokens": 256 * 24, **({"micro_batch_size": 1} if procs == 2 else {})}}
+    if procs == 2:
+        extra["deepspeed"] = {"zero_stage": 2}
+    ref_out, cut_out = tmp_path / "ref", tmp_path / "cut"
+    ref = w.run(w.write_recipe(tmp_path / "ref.yaml", w.recipe(world, ref_out, **extra)), procs)
+    assert ref.returncode == 0, w.errors(ref)
+    cut_recipe = w.write_recipe(tmp_path / "cut.yaml", w.recipe(world, cut_out, **extra))
+    w.run_and_kill(cut_recipe, procs, cut_out / "metrics.jsonl", after_steps=5)
+    assert not (cut_out / "final").exists(), "the run finished before it was killed"
+    assert (cut_out / "checkpoints" / "latest").read_text().strip() < "step_00000024"
+    resumed = w.run(cut_recipe, procs)
+    assert resumed.returncode == 0, w.errors(resumed)
+    assert "resumed from" in resumed.stdout
+    want, got = w.metrics(ref_out), w.metrics(cut_out)
+    assert len(want) == 25  # 24 steps and the final evaluation
+    assert [r["step"] for r in got] == [r["step"] for r in want]  # nothing repeated, nothing skipped
+    assert [r["data"] for r in got] == [r["data"] for r in want]  # the same sequences at every step
+    for a, b in zip(want, got):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6, abs=1e-7), (a["step"], a["loss"], b["loss"])
+
+
+def test_cache_with_full_vocab_equals_live_teacher(world, tmp_path):
+    vocab = AutoModelForCausalLM.from_pretrained(world["teacher"]).config.vocab_size
+    live_out, cache_out = tmp_path / "live", tmp_path / "cached"
+    live = w.run(w.write_recipe(tmp_path / "live.yaml", w.recipe(world, live_out, train={"total_tokens": 256 * 4})))
+    assert live.returncode == 0, w.errors(live)
+    teacher = {"model": str(world["teacher"]), "cache_dir": str(tmp_path / "cache"), "cache_topk": vocab}
+    cached_recipe = w.recipe(world, cache_out, train={"total_tokens": 256 * 4}, teacher={**teacher, "source": "cache"})
+    path = w.write_recipe(tmp_path / "cached.yaml", cached_recipe)
+    import subprocess
+
+    made = subprocess.run([str(w.BIN / "ecomla"), "teacher-cache", str(path), "--quiet"], capture_output=True,
+                          text=True, env=w.env(), timeout=600)
+    assert made.returncode == 0, w.errors(made)
+    assert json.loads((tmp_path / "cache" / "meta.json").read_text())["topk"] == vocab
+    cached = w.run(path)
+    assert cached.returncode == 0, w.errors(cached)
+    for a, b in zip(w.metrics(live_out), w.metrics(cache_out)):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), (a["step"], a["loss"], b["loss"])
+
+
+@pytest.mark.parametrize(
+    "change, needle",
+    [
+        ({"teacher": {"model": "MISMATCH"}}, "vocab size"),
+        ({"data": {"train": {"dataset": "nowhere/train.jsonl"}}}, "nowhere/train.jsonl"),
+        ({"data": {"train": {"dataset": "EMPTY"}}}, "empty (no documents)"),
+        ({"train": {"global_batch_tokens": 192}}, "whole multiple"),
+        ({"loss": {"kind": "forward_kll"}}, "did you mean 'forward_kl'"),
+        ({"trian": {}}, "did you mean 'train'"),
+    ],
+)
+def test_bad_input_fails_before_compute(world, tmp_path, tokenizer_dir, change, needle):
+    from tests.tiny import make_source
+
+    if change.get("teacher", {}).get("model") == "MISMATCH":
+        other = make_source(tmp_path / "t", tokenizer_dir, vocab_size=400)
+        change = {"teacher": {"model": str(other)}}
+    if change.get("data", {}).get("train", {}).get("dataset") == "EMPTY":
+        (tmp_path / "empty.jsonl").write_text("")
+        change = {"data": {"train": {"dataset": str(tmp_path / "empty.jsonl")}}}
+    r = w.recipe(world, tmp_path / "run")
+    for key, value in change.items():
+        if key in r and isinstance(value, dict):
+            for k2, v2 in value.items():
+                r[key][k2] = {**r[key][k2], **v2} if isinstance(v2, dict) and isinstance(r[key].get(k2), dict) else v2
+        else:
+            r[key] = value
+    proc = w.run(w.write_recipe(tmp_path / "r.yaml", r))
+    assert proc.returncode == 2, w.errors(proc)
+    assert needle in proc.stderr, w.errors(proc)
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(world, tmp_path):
+    """A teacher whose embedding rows of a few tokens are NaN: the step whose batch holds them must stop the run."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
+    from ecomla.data.sampler import StepSampler
+
+    tok = AutoTokenizer.from_pretrained(world["student"])
+    clean = (world["corpus"] / "a_fit.jsonl").read_text().splitlines()
+    poison_ids = set(tok("analysts expect rates")["input_ids"]) - {t for line in clean for t in tok(json.loads(line)["text"])["input_ids"]}
+    assert poison_ids
+    data = tmp_path / "train.jsonl"
+    data.write_text("\n".join(clean + [json.dumps({"text": "analysts expect rates"})]) + "\n")
+    teacher = tmp_path / "teacher"
+    import shutil
+
+    shutil.copytree(world["teacher"], teacher)
+    sd = load_file(teacher / "model.safetensors")
+    for t in poison_ids:
+        sd["model.embed_tokens.weight"][t] = float("nan")
+    save_file(sd, teacher / "model.safetensors", metadata={"format": "pt"})
+
+    out = tmp_path / "run"
+    r = w.recipe(world, out, teacher={"model": str(teacher)}, checkpoint={"every_steps": 1},
+                 data={"train": {"dataset": str(data)}})
+    # Which step meets the poisoned document (the last one packed) is fixed by the seed; pick a seed where it is >= 3.
+    from ecomla.data.packing import pack, text_documents
+    from ecomla.distill.data import pad_id
+
+    seqs = list(pack(text_documents([json.loads(x)["text"] for x in clean] + ["analysts expect rates"], tok), 64, pad_id(tok)))
+    for seed in range(50):
+        sampler = StepSampler(len(seqs), 2, 2, 1, 0, seed)
+        hit = next(s for s in range(10**6) if any(len(seqs) - 1 in sampler.indices(s, j) for j in range(2)))
+        if 3 <= hit < 12:
+            break
+    r["train"]["seed"] = seed
+    proc = w.run(w.write_recipe(tmp_path / "r.yaml", r))
+    assert proc.returncode != 0
+    assert "non-finite loss at step" in proc.stderr, w.errors(proc)
+    assert not (out / "final").exists()
+    rows = w.metrics(out)
+    assert [row["step"] for row in rows] == list(range(1, hit + 1))  # every step before the poisoned one
+    assert (out / "checkpoints" / "latest").read_text().strip() == f"step_{hit:08d}"
