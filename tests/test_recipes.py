@@ -9,10 +9,11 @@ import yaml
 
 from ecomla.analyze.recon import ReconRecipe
 from ecomla.convert.recipe import ConvertRecipe
+from ecomla.distill.recipe import DistillRecipe
 from ecomla.recipe.schema import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
-SCHEMAS = {"convert": ConvertRecipe, "analyze": ReconRecipe}
+SCHEMAS = {"convert": ConvertRecipe, "analyze": ReconRecipe, "distill": DistillRecipe}
 RECIPES = sorted((ROOT / "recipes").rglob("*.yaml"))
 
 
@@ -26,7 +27,8 @@ def test_recipe_loads(path):
     assert job in SCHEMAS, f"no schema registered for recipes/{job}/"
     load_recipe(SCHEMAS[job], path)
     text = path.read_text()
-    assert f"ecomla {job}" in text.split("\n\n")[0] or f"ecomla {job}" in text[:1500], "launch command in the header"
+    header = "\n".join(line for line in text.splitlines() if line.startswith("#"))
+    assert f"ecomla {job}" in header or f"ecomla.{job}" in header, "launch command in the header comment"
 
     def strings(node):
         if isinstance(node, dict):
@@ -39,3 +41,18 @@ def test_recipe_loads(path):
             yield node
 
     assert not [s for s in strings(yaml.safe_load(text)) if s.startswith("/")], "absolute path in a recipe"
+
+
+def test_deepspeed_configs_build():
+    """recipes/deepspeed/*.json merge into a run's config without fighting the recipe."""
+    import json
+
+    from ecomla.distill.ds_config import build_ds_config
+
+    recipe = load_recipe(DistillRecipe, ROOT / "recipes" / "distill" / "llama3.2-1b_mla_xecomla.yaml")
+    for stage in (1, 2, 3):
+        path = ROOT / "recipes" / "deepspeed" / f"zero{stage}.json"
+        json.loads(path.read_text())
+        recipe.deepspeed.zero_stage, recipe.deepspeed.config = stage, str(path)
+        cfg = build_ds_config(recipe, world_size=8, grad_accum=6)
+        assert cfg["train_batch_size"] == 192 and cfg["zero_optimization"]["stage"] == stage

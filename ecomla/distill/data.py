@@ -42,8 +42,26 @@ def pad_id(tokenizer) -> int:
     return 0
 
 
-def open_dataset(src: DataSource, tokenizer, seq_len: int, what: str):
-    """A dataset with `len`, `batch(indices)` and `seq_len`; a clear error if it is missing or empty."""
+def prepared_dir(output_dir: str, name: str) -> Path:
+    """Where `ecomla prepare-data` writes split `name` of a recipe."""
+    return Path(output_dir) / "data" / name
+
+
+def _matches(meta: dict, src: DataSource, seq_len: int) -> bool:
+    return (meta.get("source"), meta.get("format"), meta.get("seq_len"), meta.get("max_documents")) == (
+        src.dataset, src.format, seq_len, src.max_documents)
+
+
+def open_dataset(src: DataSource, tokenizer, seq_len: int, what: str, output_dir: str | None = None):
+    """A dataset with `len`, `batch(indices)` and `seq_len`; a clear error if it is missing or empty.
+
+    A `dataset` source that `ecomla prepare-data` already packed into this run's
+    output_dir is read from those shards instead of being tokenized again.
+    """
+    if src.prepared is None and output_dir is not None:
+        shards = prepared_dir(output_dir, what.split(".")[-1])
+        if (shards / "meta.json").is_file() and _matches(PackedDataset(shards).meta, src, seq_len):
+            return PackedDataset(shards)
     if src.prepared is not None:
         ds = PackedDataset(src.prepared)
         if ds.seq_len != seq_len:
@@ -73,9 +91,9 @@ def prepare_data(recipe: DistillRecipe, tokenizer, force: bool = False) -> list[
     for name, src in (("train", recipe.data.train), ("eval", recipe.data.eval)):
         if src is None or src.prepared is not None:
             continue
-        out = Path(recipe.output_dir) / "data" / name
-        meta = {"source": src.dataset, "format": src.format, "tokenizer": str(getattr(tokenizer, "name_or_path", "")),
-                "vocab_size": len(tokenizer)}
+        out = prepared_dir(recipe.output_dir, name)
+        meta = {"source": src.dataset, "format": src.format, "max_documents": src.max_documents,
+                "tokenizer": str(getattr(tokenizer, "name_or_path", "")), "vocab_size": len(tokenizer)}
         with ShardWriter(out, recipe.data.seq_len, meta=meta, overwrite=force) as writer:
             n = writer.write_all(pack(documents(src, tokenizer), recipe.data.seq_len, pad_id(tokenizer)))
             if n == 0:

@@ -38,7 +38,7 @@ def teacher_cache(recipe: DistillRecipe, *, force: bool = False, progress: bool 
     if out.exists() and not force:
         raise FileExistsError(f"{out} already exists; pass --force to rebuild it")
     tok = models.load_tokenizer(recipe.tokenizer or recipe.student or recipe.teacher.model)
-    data = open_dataset(recipe.data.train, tok, recipe.data.seq_len, "data.train")
+    data = open_dataset(recipe.data.train, tok, recipe.data.seq_len, "data.train", recipe.output_dir)
     dtype = torch.bfloat16 if recipe.teacher.dtype == "bfloat16" else torch.float32
     model = models.load_causal_lm(recipe.teacher.model, dtype, "teacher").eval().to(dist.device)
     tmp = out.with_name(f".{out.name}.tmp")

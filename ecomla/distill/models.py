@@ -57,8 +57,11 @@ def check_pair(student_cfg, teacher_cfg, student_tok, teacher_tok) -> list[str]:
     return problems
 
 
-def stage_groups(names: Sequence[str], stages: Sequence[Sequence[str]]) -> list[int]:
-    """For each parameter, the first stage whose patterns match it ('all', 'attention', or a substring)."""
+def stage_groups(names: Sequence[str], stages: Sequence[Sequence[str]]) -> list[int | None]:
+    """For each parameter, the first stage whose patterns match it ('all', 'attention', or a substring).
+
+    None: no stage trains it, so it stays frozen for the whole run.
+    """
 
     def matches(name: str, pattern: str) -> bool:
         if pattern == "all":
@@ -67,13 +70,7 @@ def stage_groups(names: Sequence[str], stages: Sequence[Sequence[str]]) -> list[
             return ".self_attn." in name
         return pattern in name
 
-    groups = []
-    for name in names:
-        first = next((i for i, pats in enumerate(stages) if any(matches(name, p) for p in pats)), None)
-        if first is None:
-            raise ModelSetupError(f"train.stages: parameter {name} trains in no stage; add 'all' to the last stage")
-        groups.append(first)
-    return groups
+    return [next((i for i, pats in enumerate(stages) if any(matches(n, p) for p in pats)), None) for n in names]
 
 
 def apply_lora(model, lora):

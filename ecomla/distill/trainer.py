@@ -79,6 +79,25 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def batch_loss(student, teacher, batch: dict, indices: list[int], spec: LossSpec, *, cross_document: bool,
+               dtype: torch.dtype, device: torch.device, chunk_tokens: int, sync_chunks: torch.device | None = None):
+    """Loss sums of one packed micro-batch (B, T): only target positions (same document, not padding, not
+    prompt) reach the loss, and logits are computed `chunk_tokens` rows at a time.
+
+    `sync_chunks` (ZeRO-3 with several ranks): every head call gathers the head's weight collectively, so all
+    ranks make the same number of calls, the largest any rank needs.
+    """
+    mi = model_inputs(batch, cross_document, dtype, device)
+    valid = mi["valid"]
+    teacher_fn = teacher.prepare(mi["inputs"], valid, indices) if teacher is not None else None
+    hidden = student.get_decoder()(**mi["inputs"]).last_hidden_state[valid]  # (N, d)
+    num_chunks = None
+    if sync_chunks is not None:
+        num_chunks = max(1, all_reduce_max(math.ceil(hidden.shape[0] / chunk_tokens), sync_chunks))
+    return chunked_loss(hidden, student.get_output_embeddings(), teacher_fn, mi["targets"][valid], spec,
+                        chunk_tokens, num_chunks=num_chunks)
+
+
 class DistillRun:
     """One training run of a recipe: `setup()`, then `train()`, which checkpoints and exports."""
 
@@ -103,9 +122,14 @@ class DistillRun:
         self.tokenizer = models.load_tokenizer(tok_path)
         self.tokenizer_dir = Path(tok_path) if Path(tok_path).is_dir() else None
         T = r.data.seq_len
-        self.train_data = open_dataset(r.data.train, self.tokenizer, T, "data.train")
-        self.eval_data = open_dataset(r.data.eval, self.tokenizer, T, "data.eval") if r.data.eval else None
+        self.train_data = open_dataset(r.data.train, self.tokenizer, T, "data.train", r.output_dir)
+        self.eval_data = open_dataset(r.data.eval, self.tokenizer, T, "data.eval", r.output_dir) if r.data.eval else None
 
+        if dist.is_main:
+            for name, ds in (("train", self.train_data), ("eval", self.eval_data)):
+                if ds is not None:
+                    where = f"prepared shards in {ds.dir}" if hasattr(ds, "dir") else "packed in memory"
+                    print(f"data.{name}: {len(ds)} sequences of {T} tokens ({where})", flush=True)
         seqs_per_step, rem = divmod(r.train.global_batch_tokens, T)
         per_pass = r.train.micro_batch_size * dist.world_size
         if rem or seqs_per_step % per_pass:
@@ -159,6 +183,9 @@ class DistillRun:
         names, params = zip(*[(n, p) for n, p in student.named_parameters() if p.requires_grad])
         if r.train.mode == "stages":
             stage_of = models.stage_groups(names, [s.trainable for s in r.train.stages])
+            for p, g in zip(params, stage_of):
+                if g is None:  # in no stage: frozen for the whole run
+                    p.requires_grad_(False)
             self.stage_bounds = np.cumsum([s.fraction for s in r.train.stages])
         else:
             stage_of = [0] * len(names)
@@ -195,19 +222,12 @@ class DistillRun:
     def _loss_sums(self, batch: dict, indices: list[int], teacher=None, spec: LossSpec | None = None):
         """Loss sums of one micro-batch; `teacher`/`spec` default to the run's."""
         r = self.recipe
-        teacher = self.teacher if teacher is None else teacher
         spec = spec or self.spec
-        mi = model_inputs(batch, r.data.cross_document_attention, self.dtype, self.dist.device)
-        valid = mi["valid"]
-        teacher_fn = teacher.prepare(mi["inputs"], valid, indices) if teacher is not None and spec.uses_teacher else None
-        hidden = self.student.get_decoder()(**mi["inputs"]).last_hidden_state[valid]  # (N, d)
-        head = self.student.get_output_embeddings()
-        num_chunks = None
-        if r.deepspeed.zero_stage == 3 and self.dist.world_size > 1:
-            # ZeRO-3 gathers the head's weight at every call, collectively: same call count on every rank.
-            num_chunks = max(1, all_reduce_max(math.ceil(hidden.shape[0] / r.loss.chunk_tokens), self.dist.device))
-        return chunked_loss(hidden, head, teacher_fn, mi["targets"][valid], spec, r.loss.chunk_tokens,
-                            num_chunks=num_chunks)
+        teacher = self.teacher if teacher is None else teacher
+        sync = self.dist.device if r.deepspeed.zero_stage == 3 and self.dist.world_size > 1 else None
+        return batch_loss(self.student, teacher if spec.uses_teacher else None, batch, indices, spec,
+                          cross_document=r.data.cross_document_attention, dtype=self.dtype, device=self.dist.device,
+                          chunk_tokens=r.loss.chunk_tokens, sync_chunks=sync)
 
     def train(self) -> dict:
         r, dist = self.recipe, self.dist

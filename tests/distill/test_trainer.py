@@ -175,3 +175,77 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(world, tmp_path):
     rows = w.metrics(out)
     assert [row["step"] for row in rows] == list(range(1, hit + 1))  # every step before the poisoned one
     assert (out / "checkpoints" / "latest").read_text().strip() == f"step_{hit:08d}"
+
+
+def _weights(path):
+    return dict(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).named_parameters())
+
+
+def test_stage_schedule_freezes_what_it_should(world, tmp_path):
+    """Attention-only for the whole run: attention moves, MLPs and embeddings stay bit-identical."""
+    out = tmp_path / "run"
+    r = w.recipe(world, out, train={"mode": "stages", "stages": [{"trainable": ["attention"], "fraction": 1.0}],
+                                    "total_tokens": 256 * 3})
+    proc = w.run(w.write_recipe(tmp_path / "r.yaml", r))
+    assert proc.returncode == 0, w.errors(proc)
+    before, after = _weights(world["student"]), _weights(out / "final")
+    for name, p in after.items():
+        if ".self_attn." not in name:
+            assert torch.equal(p, before[name]), f"{name} changed while frozen"
+    assert any(not torch.equal(after[n], before[n]) for n in after if ".self_attn." in n)
+
+
+def test_lora_merges_into_a_stock_checkpoint(world, tmp_path):
+    out = tmp_path / "run"
+    r = w.recipe(world, out, train={"mode": "lora", "lora": {"r": 4, "alpha": 8.0}, "total_tokens": 256 * 3, "lr": 1e-2})
+    proc = w.run(w.write_recipe(tmp_path / "r.yaml", r))
+    assert proc.returncode == 0, w.errors(proc)
+    model = AutoModelForCausalLM.from_pretrained(out / "final")
+    assert type(model) is DeepseekV3ForCausalLM
+    before, after = _weights(world["student"]), _weights(out / "final")
+    assert set(before) == set(after)  # no adapter tensors left after merging
+    targets = ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+    changed = {n for n in after if not torch.equal(after[n], before[n])}
+    assert changed and all(any(t in n for t in targets) for n in changed), changed
+
+
+def test_pretrain_is_the_same_loop_with_ce(world, tmp_path):
+    out = tmp_path / "run"
+    r = w.recipe(world, out, train={"total_tokens": 256 * 12, "lr": 1e-2})
+    del r["student"], r["teacher"]
+    r["student_config"] = {"model_type": "llama", "vocab_size": 320, "hidden_size": 32, "intermediate_size": 64,
+                           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+    r["tokenizer"] = str(world["student"])
+    import subprocess
+
+    proc = subprocess.run([str(w.BIN / "ecomla"), "pretrain", str(w.write_recipe(tmp_path / "r.yaml", r)), "--quiet"],
+                          capture_output=True, text=True, env=w.env(), timeout=600)
+    assert proc.returncode == 0, w.errors(proc)
+    ok, losses = _falls(w.metrics(out), key="ce")
+    assert ok, losses
+    assert all(row["kd"] == 0 for row in w.metrics(out))
+    assert AutoModelForCausalLM.from_pretrained(out / "final").config.model_type == "llama"
+
+
+def test_prepared_shards_train_like_in_memory_data(world, tmp_path):
+    import subprocess
+
+    mem_out, prep_out = tmp_path / "mem", tmp_path / "prep"
+    mem = w.run(w.write_recipe(tmp_path / "mem.yaml", w.recipe(world, mem_out, train={"total_tokens": 256 * 3})))
+    assert mem.returncode == 0, w.errors(mem)
+    prep_recipe = w.write_recipe(tmp_path / "prep.yaml", w.recipe(world, prep_out, train={"total_tokens": 256 * 3}))
+    made = subprocess.run([str(w.BIN / "ecomla"), "prepare-data", str(prep_recipe)], capture_output=True, text=True,
+                          env=w.env(), timeout=600)
+    assert made.returncode == 0, made.stderr[-3000:]
+    assert (prep_out / "data" / "train" / "meta.json").exists()
+    run = w.run(prep_recipe)  # the same recipe now reads the shards prepare-data wrote into its output_dir
+    assert run.returncode == 0, w.errors(run)
+    assert f"prepared shards in {prep_out / 'data' / 'train'}" in run.stdout
+    # and they can be named explicitly, e.g. from another run
+    r = w.recipe(world, tmp_path / "named", train={"total_tokens": 256 * 3})
+    r["data"]["train"] = {"prepared": str(prep_out / "data" / "train")}
+    named = w.run(w.write_recipe(tmp_path / "named.yaml", r))
+    assert named.returncode == 0, w.errors(named)
+    assert [x["loss"] for x in w.metrics(tmp_path / "named")] == [x["loss"] for x in w.metrics(prep_out)]
+    for a, b in zip(w.metrics(mem_out), w.metrics(prep_out)):
+        assert a["data"] == b["data"] and a["loss"] == pytest.approx(b["loss"], rel=1e-6)
