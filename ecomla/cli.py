@@ -2,7 +2,7 @@
 
     ecomla convert RECIPE.yaml [--set KEY=VALUE ...] [--force]
     ecomla analyze recon RECIPE.yaml [--set KEY=VALUE ...] [--force]
-    ecomla distill RECIPE.yaml        (or: deepspeed|torchrun ... -m ecomla.distill RECIPE.yaml)
+    ecomla distill RECIPE.yaml        (or: deepspeed ... --module ecomla.distill | torchrun ... -m ecomla.distill)
     ecomla pretrain RECIPE.yaml       (the same loop, CE only, student from student_config)
     ecomla teacher-cache RECIPE.yaml  (top-k teacher log-probs for `teacher.source: cache`)
     ecomla prepare-data RECIPE.yaml   (memory-mapped token shards for `data.*.prepared`)
@@ -130,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     jobs = [
         ("distill", _distill, "distill a student from a teacher (DeepSpeed; resumable)",
          "Knowledge distillation from a live or cached teacher, on DeepSpeed ZeRO 0-3, one process or many "
-         "(deepspeed/torchrun -m ecomla.distill). Resumes from <output_dir>/checkpoints/latest; exports a consolidated "
+         "(deepspeed --module ecomla.distill, or torchrun -m ecomla.distill). Resumes from <output_dir>/checkpoints/latest; exports a consolidated "
          "HF checkpoint to <output_dir>/final."),
         ("pretrain", _distill, "train a model from scratch with CE (the same loop)",
          "The distillation loop with the loss fixed to next-token CE and no teacher; the student is built from "

@@ -1,6 +1,6 @@
 """`python -m ecomla.distill RECIPE.yaml [--set KEY=VALUE ...] [--force]`: the launcher entry point.
 
-    deepspeed --num_gpus 8 -m ecomla.distill recipes/distill/<name>.yaml
+    deepspeed --num_gpus 8 --module ecomla.distill recipes/distill/<name>.yaml
     torchrun --nproc_per_node 2 -m ecomla.distill recipes/distill/<name>.yaml
 
 The same as `ecomla distill`, for launchers that start one process per GPU.

@@ -168,7 +168,7 @@ class LogConfig:
 
 @dataclass(kw_only=True)
 class DistillRecipe:
-    """A training run. Launch: `deepspeed -m ecomla.distill R.yaml`, `torchrun -m ecomla.distill R.yaml`, or `ecomla distill R.yaml`."""
+    """A training run. Launch: `deepspeed --module ecomla.distill R.yaml`, `torchrun -m ecomla.distill R.yaml`, or `ecomla distill R.yaml`."""
 
     student: str | None = knob(None, help="Student checkpoint: a converted stock DeepSeek-V3 model or any HF causal LM")
     student_config: dict[str, Any] | None = knob(

@@ -1,6 +1,6 @@
 """The project's only training loop: knowledge distillation (and, with CE only, pretraining) on DeepSpeed.
 
-    deepspeed --num_gpus 8 -m ecomla.distill RECIPE.yaml [--set ...]
+    deepspeed --num_gpus 8 --module ecomla.distill RECIPE.yaml [--set ...]
     torchrun --nproc_per_node 2 -m ecomla.distill RECIPE.yaml
     ecomla distill RECIPE.yaml        # one process, no launcher
     ecomla pretrain RECIPE.yaml       # CE only, student built from student_config

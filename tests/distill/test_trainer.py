@@ -35,15 +35,16 @@ def test_one_process_kd_falls_and_exports_stock_checkpoint(world, tmp_path):
     assert (out / "final" / "tokenizer.json").exists() and (out / "final" / "ecomla_recipe.yaml").exists()
     final = json.loads(proc.stdout.strip().splitlines()[-1])
     assert "eval_kd" in final and final["eval_tokens"] > 0
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [2, 3])
-def test_two_processes_zero(world, tmp_path, stage):
+@pytest.mark.parametrize("stage, launcher", [(2, "deepspeed"), (3, "torchrun")])
+def test_two_processes_zero(world, tmp_path, stage, launcher):
     out = tmp_path / f"z{stage}"
-    r = w.recipe(world, out, deepspeed={"zero_stage": stage, "config": f"recipes/deepspeed/zero{stage}.json"},
-                 train={"micro_batch_size": 1})
-    proc = w.run(w.write_recipe(tmp_path / "r.yaml", r), procs=2)
+    config = str(w.ROOT / "recipes" / "deepspeed" / f"zero{stage}.json")
+    r = w.recipe(world, out, deepspeed={"zero_stage": stage, "config": config}, train={"micro_batch_size": 1})
+    proc = w.run(w.write_recipe(tmp_path / "r.yaml", r), procs=2, launcher=launcher)
     assert proc.returncode == 0, w.errors(proc)
     ok, losses = _falls(w.metrics(out))
     assert ok, losses

@@ -18,6 +18,7 @@ import yaml
 from tests.tiny import make_source
 
 BIN = Path(sys.executable).parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def build_world(root: Path, tokenizer_dir: Path, corpus_dir: Path) -> dict:
@@ -63,9 +64,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def command(recipe_path: Path, procs: int, *extra: str) -> list[str]:
+def command(recipe_path: Path, procs: int, *extra: str, launcher: str = "torchrun") -> list[str]:
     if procs == 1:
         return [str(BIN / "ecomla"), "distill", str(recipe_path), "--quiet", *extra]
+    if launcher == "deepspeed":
+        return [str(BIN / "deepspeed"), "--num_gpus", str(procs), "--master_port", str(_free_port()),
+                "--module", "ecomla.distill", str(recipe_path), "--quiet", *extra]
     return [str(BIN / "torchrun"), "--nproc_per_node", str(procs), "--master_port", str(_free_port()),
             "-m", "ecomla.distill", str(recipe_path), "--quiet", *extra]
 
@@ -78,8 +82,9 @@ def env() -> dict:
     return e
 
 
-def run(recipe_path: Path, procs: int = 1, *extra: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(command(recipe_path, procs, *extra), capture_output=True, text=True, timeout=timeout, env=env())
+def run(recipe_path: Path, procs: int = 1, *extra: str, timeout: int = 600, launcher: str = "torchrun"):
+    return subprocess.run(command(recipe_path, procs, *extra, launcher=launcher), capture_output=True, text=True,
+                          timeout=timeout, env=env())
 
 
 def errors(proc: subprocess.CompletedProcess) -> str:

@@ -1,0 +1,337 @@
+"""Benchmark: what distillation costs beyond running both models, what chunking saves, and ZeRO-2 vs ZeRO-3.
+
+    python scripts/bench_distill.py             # the full run, ~10 minutes on 2 CPU cores
+    python scripts/bench_distill.py --quick     # smaller sizes, a smoke run of every part
+
+Three measurements, each reported as a ratio of things measured side by side in this run:
+
+1. KD overhead. Random HF Llama student and teacher, plain torch, one process: median time of
+   (a) one KD step, exactly the trainer's `batch_loss` (teacher forward without grad, student
+   decoder, `chunked_loss` over the student's head) plus backward; (b) one student CE step (full
+   logits, cross-entropy, backward); (c) one teacher forward. Ratio a / (b + c): the cost of the
+   distillation loss beyond running both models. No optimizer update in any of them.
+2. Peak memory of the loss alone, at a Llama-3 vocabulary (128,256) and 2,048 tokens: forward +
+   backward of a naive KL (full (T, V) logits of both, log_softmax, KL) and of `chunked_loss` with
+   checkpointing, from (T, d) hidden states through Linear(d, V) heads. Reported as peak RSS minus
+   the RSS of a floor process that only builds the inputs, and as naive / chunked.
+3. Tokens/s of `ecomla distill` on 2 processes (torchrun, gloo, fp32) under ZeRO-2 and ZeRO-3, with
+   an MLA student converted by `ecomla convert` from a small random Llama: median `tokens_per_s`
+   of metrics.jsonl after the first 3 steps, and ZeRO-3 / ZeRO-2.
+
+Why child processes: peak RSS is a per-process high-water mark that never comes down, so each
+measurement runs in a fresh child (this script with a hidden --child mode) and its own ru_maxrss
+is read with os.wait4 when it exits (RUSAGE_CHILDREN would give the max over all children so far).
+The parent never imports torch, since a child's high-water mark starts from the parent's RSS at
+fork. Timings run in children too, so every part starts from the same state.
+Prints tables and writes JSON (--out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from importlib.metadata import version
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+MiB = 1 << 20
+LLAMA = dict(rms_norm_eps=1e-5, max_position_embeddings=2048, tie_word_embeddings=False)
+# name -> (full, quick) sizes
+KD = {"full": dict(vocab=8192, seq=512, batch=4, student=(256, 4), teacher=(512, 4), warmup=1, repeats=5),
+      "quick": dict(vocab=2048, seq=128, batch=2, student=(64, 2), teacher=(128, 2), warmup=1, repeats=2)}
+MEM = {"full": dict(vocab=128256, tokens=2048, d=256, chunks=(1024, 256)),
+       "quick": dict(vocab=16384, tokens=512, d=64, chunks=(256, 64))}
+ZERO = {"full": dict(vocab=8192, seq=256, student=(256, 4), teacher=(384, 4), steps=24, kv_lora_rank=64),
+        "quick": dict(vocab=1024, seq=64, student=(64, 2), teacher=(96, 2), steps=6, kv_lora_rank=16)}
+
+
+def llama_config(vocab: int, width: int, layers: int, **extra) -> dict:
+    """A Llama shape: head dim 32, 2 query heads per KV head, MLP 2x wide."""
+    return dict(LLAMA, vocab_size=vocab, hidden_size=width, num_hidden_layers=layers, intermediate_size=2 * width,
+                num_attention_heads=width // 32, num_key_value_heads=max(1, width // 64), **extra)
+
+
+# ---- children (torch is imported only here) -------------------------------------------------------------------
+def child_kd(spec: dict) -> dict:
+    """Median seconds of (a) a KD step, (b) a student CE step, (c) a teacher forward."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ecomla.distill.losses import LossSpec
+    from ecomla.distill.teacher import LiveTeacher
+    from ecomla.distill.trainer import batch_loss
+
+    torch.set_num_threads(spec["threads"])
+    torch.manual_seed(0)
+    student = LlamaForCausalLM(LlamaConfig(**llama_config(spec["vocab"], *spec["student"]))).train()
+    teacher = LlamaForCausalLM(LlamaConfig(**llama_config(spec["vocab"], *spec["teacher"]))).eval().requires_grad_(False)
+    B, T = spec["batch"], spec["seq"]
+    tokens = torch.randint(spec["vocab"], (B, T))  # (B, T) one document per row
+    batch = {"tokens": tokens, "segments": torch.ones(B, T, dtype=torch.long), "loss_mask": torch.ones(B, T)}
+    loss_spec, live = LossSpec(), LiveTeacher(teacher, 1.0)
+
+    def kd_step() -> None:
+        sums = batch_loss(student, live, batch, list(range(B)), loss_spec, cross_document=True,
+                          dtype=torch.float32, device=torch.device("cpu"), chunk_tokens=1024)
+        (sums.total / sums.tokens).backward()
+
+    def ce_step() -> None:
+        logits = student(input_ids=tokens).logits[:, :-1]  # (B, T-1, V)
+        F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)).backward()
+
+    def teacher_forward() -> None:
+        with torch.no_grad():
+            teacher(input_ids=tokens).logits
+
+    out = {"threads": torch.get_num_threads(), "student_params": sum(p.numel() for p in student.parameters()),
+           "teacher_params": sum(p.numel() for p in teacher.parameters())}
+    for name, fn in (("kd_step", kd_step), ("ce_step", ce_step), ("teacher_forward", teacher_forward)):
+        times = []
+        for i in range(spec["warmup"] + spec["repeats"]):
+            student.zero_grad(set_to_none=True)
+            t0 = time.perf_counter()
+            fn()
+            if i >= spec["warmup"]:
+                times.append(time.perf_counter() - t0)
+        out[name] = {"median_s": statistics.median(times), "all_s": times}
+    return out
+
+
+def child_mem(spec: dict) -> dict:
+    """Forward + backward of one loss (or nothing, for the floor) on (T, d) hidden states."""
+    import torch
+
+    from ecomla.distill.losses import LossSpec, TeacherDist, chunked_loss
+
+    torch.set_num_threads(spec["threads"])
+    torch.manual_seed(0)
+    T, d, V = spec["tokens"], spec["d"], spec["vocab"]
+    hidden = torch.randn(T, d, requires_grad=True)  # (T, d) student rows
+    head = torch.nn.Linear(d, V, bias=False)
+    t_hidden = torch.randn(T, d)  # (T, d) teacher rows
+    t_head = torch.nn.Linear(d, V, bias=False).requires_grad_(False)
+    targets = torch.randint(V, (T,))
+    t0 = time.perf_counter()
+    mode = spec["mode"]
+    if mode == "floor":
+        return {"loss": None, "seconds": 0.0}
+    if mode == "naive":
+        with torch.no_grad():
+            log_p = torch.log_softmax(t_head(t_hidden), -1)  # (T, V)
+        log_q = torch.log_softmax(head(hidden), -1)  # (T, V)
+        loss = (log_p.exp() * (log_p - log_q)).sum(-1).mean()
+    else:
+        loss = chunked_loss(hidden, head, lambda s, e: TeacherDist.from_logits(t_head(t_hidden[s:e]), 1.0), targets,
+                            LossSpec(), spec["chunk"], checkpoint=spec["checkpoint"]).total / T
+    loss.backward()
+    return {"loss": float(loss), "seconds": time.perf_counter() - t0, "grad_norm": float(hidden.grad.norm())}
+
+
+def child_world(spec: dict) -> dict:
+    """Tokenizer, corpus, MLA student (converted) and Llama teacher for the ZeRO runs."""
+    sys.path.insert(0, str(ROOT))
+    from tests.convert.helpers import convert
+    from tests.tiny import domain_text, make_source, make_tokenizer
+
+    root = Path(spec["root"])
+    tok = make_tokenizer(root / "tok")
+    with open(root / "corpus.jsonl", "w") as f:
+        for text in domain_text("a", 1500, 1) + domain_text("b", 1500, 1):
+            f.write(json.dumps({"text": text}) + "\n")
+    base = make_source(root / "base", tok, seed=1, **llama_config(spec["vocab"], *spec["student"]))
+    convert(base, root / "student", mla={"kv_lora_rank": spec["kv_lora_rank"], "qk_rope_head_dim": 16})
+    make_source(root / "teacher", tok, seed=2, **llama_config(spec["vocab"], *spec["teacher"]))
+    return {"root": str(root)}
+
+
+CHILDREN = {"kd": child_kd, "mem": child_mem, "world": child_world}
+
+
+# ---- parent ---------------------------------------------------------------------------------------------------
+def env(threads: int | None = None) -> dict:
+    e = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    e.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
+    e.setdefault("HF_HOME", str(ROOT / ".cache" / "hf"))
+    if threads is not None:
+        e["OMP_NUM_THREADS"] = str(threads)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        e.pop(key, None)
+    return e
+
+
+def spawn(cmd: list[str], log: Path, threads: int | None = None) -> tuple[int, float, int]:
+    """Run cmd with stdout+stderr to log; (return code, wall seconds, this child's own ru_maxrss in bytes)."""
+    t0 = time.perf_counter()
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env(threads))
+        _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)  # reaped by wait4, so tell Popen
+    return proc.returncode, time.perf_counter() - t0, usage.ru_maxrss * 1024  # ru_maxrss is KiB on Linux
+
+
+def child(kind: str, spec: dict, work: Path, name: str) -> tuple[dict, int]:
+    """Run one child of this script; (its JSON result, its peak RSS in bytes). Raises with the log's tail."""
+    log = work / f"{name}.log"
+    rc, _, rss = spawn([sys.executable, __file__, "--child", kind, json.dumps(spec)], log, spec.get("threads"))
+    lines = log.read_text().splitlines()
+    if rc != 0 or not lines or not lines[-1].startswith("{"):
+        raise RuntimeError(f"child {name} failed (rc {rc}); end of {log}:\n" + "\n".join(lines[-40:]))
+    return json.loads(lines[-1]), rss
+
+
+def bench_memory(size: dict, threads: int, work: Path) -> dict:
+    mem = dict(size)
+    avail = int(next(l for l in Path("/proc/meminfo").read_text().splitlines() if l.startswith("MemAvailable")).split()[1]) * 1024
+    naive_guess = 10 * 4 * mem["tokens"] * mem["vocab"]  # ~10 live fp32 (T, V) tensors in the naive backward
+    scaled = []
+    while naive_guess > 0.6 * avail and mem["tokens"] > 256:
+        mem["tokens"] //= 2
+        naive_guess //= 2
+        scaled.append(f"tokens halved to {mem['tokens']}: naive estimate {naive_guess * 2 / 2**30:.1f} GiB "
+                      f"> 60% of MemAvailable {avail / 2**30:.1f} GiB")
+    runs = {"floor": dict(mode="floor"), "naive": dict(mode="naive"),
+            "unchunked_lib": dict(mode="chunked", chunk=mem["tokens"], checkpoint=False)}
+    runs.update({f"chunked_{c}": dict(mode="chunked", chunk=c, checkpoint=True) for c in mem["chunks"]})
+    rows = {}
+    for name, extra in runs.items():
+        print(f"  memory: {name} ...", flush=True)
+        res, rss = child("mem", {"vocab": mem["vocab"], "tokens": mem["tokens"], "d": mem["d"], "threads": threads,
+                                 **extra}, work, f"mem_{name}")
+        rows[name] = {**extra, **res, "maxrss_bytes": rss}
+    floor = rows["floor"]["maxrss_bytes"]
+    for name, r in rows.items():
+        r["peak_minus_floor_mib"] = (r["maxrss_bytes"] - floor) / MiB
+    for name in rows:
+        if name.startswith("chunked_"):
+            rows[name]["naive_over_this"] = rows["naive"]["peak_minus_floor_mib"] / max(1e-9, rows[name]["peak_minus_floor_mib"])
+    losses = [r["loss"] for n, r in rows.items() if n != "floor"]
+    return {"sizes": {k: mem[k] for k in ("vocab", "tokens", "d")}, "scaled_down": scaled, "runs": rows,
+            "loss_spread": max(losses) - min(losses), "logits_bytes_fp32": 4 * mem["tokens"] * mem["vocab"]}
+
+
+def bench_zero(size: dict, work: Path, keep: bool) -> dict:
+    world = work / "world"
+    shutil.rmtree(world, ignore_errors=True)
+    world.mkdir(parents=True)
+    print("  zero: building student (convert) and teacher ...", flush=True)
+    child("world", {**size, "root": str(world)}, work, "world")
+    seq, per_step = size["seq"], 4  # 4 sequences per step: micro-batch 2 on each of 2 ranks
+    out = {"precision": "fp32", "seq_len": seq, "sequences_per_step": per_step, "steps": size["steps"]}
+    for stage in (2, 3):
+        run_dir = world / f"run_zero{stage}"
+        recipe = {
+            "student": str(world / "student"), "teacher": {"model": str(world / "teacher")},
+            "data": {"train": {"dataset": str(world / "corpus.jsonl")}, "seq_len": seq},
+            "train": {"total_tokens": seq * per_step * size["steps"], "global_batch_tokens": seq * per_step,
+                      "micro_batch_size": 2, "lr": 1e-3, "warmup_ratio": 0.0, "precision": "fp32"},
+            "deepspeed": {"zero_stage": stage, "config": f"recipes/deepspeed/zero{stage}.json"},
+            "checkpoint": {"every_steps": 0}, "log": {"tensorboard": False}, "output_dir": str(run_dir),
+        }
+        path = world / f"zero{stage}.yaml"
+        path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+        print(f"  zero: ZeRO-{stage}, 2 processes ...", flush=True)
+        torchrun = str(Path(sys.executable).parent / "torchrun")
+        rc, wall, _ = spawn([torchrun, "--nproc_per_node", "2", "--master_port", str(29500 + 10 * stage + os.getpid() % 7),
+                             "-m", "ecomla.distill", str(path), "--quiet"], work / f"zero{stage}.log", threads=1)
+        if rc != 0:
+            raise RuntimeError(f"ZeRO-{stage} run failed (rc {rc}); end of {work}/zero{stage}.log:\n"
+                               + "\n".join((work / f"zero{stage}.log").read_text().splitlines()[-40:]))
+        rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
+        tps = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r and r["step"] > 3]
+        out[f"zero{stage}"] = {"median_tokens_per_s": statistics.median(tps), "tokens_per_s": tps, "wall_s": wall,
+                               "first_kd": rows[0]["kd"], "last_kd": [r for r in rows if "kd" in r][-1]["kd"]}
+    out["zero3_over_zero2"] = out["zero3"]["median_tokens_per_s"] / out["zero2"]["median_tokens_per_s"]
+    if not keep:
+        shutil.rmtree(world)
+    return out
+
+
+def print_tables(r: dict) -> None:
+    m = r["machine"]
+    print(f"\nmachine: {m['cpus']} CPUs, torch {m['torch']}, deepspeed {m['deepspeed']}, transformers "
+          f"{m['transformers']}, load average {m['load_avg_1min_at_start']:.2f} at start; preset {r['preset']}")
+    if "kd" in r:
+        k, s = r["kd"], r["kd"]["sizes"]
+        print(f"\n1. KD overhead (vocab {s['vocab']}, {s['batch']}x{s['seq']} tokens, student {s['student']}, teacher "
+              f"{s['teacher']} (width, layers); {k['threads']} threads; median of {s['repeats']})")
+        for name, label in (("kd_step", "(a) KD step: teacher fwd + student fwd + chunked KD + bwd"),
+                            ("ce_step", "(b) student CE step: fwd + full-logits CE + bwd"),
+                            ("teacher_forward", "(c) teacher forward (no grad)")):
+            print(f"  {label:<58} {k[name]['median_s']:8.3f} s")
+        print(f"  {'a / (b + c)':<58} {k['a_over_b_plus_c']:8.3f}")
+    if "memory" in r:
+        mm, s = r["memory"], r["memory"]["sizes"]
+        print(f"\n2. Loss-only peak memory (vocab {s['vocab']}, {s['tokens']} tokens, d {s['d']}; one (T, V) fp32 "
+              f"tensor = {mm['logits_bytes_fp32'] / MiB:.0f} MiB)")
+        for note in mm["scaled_down"]:
+            print(f"  SCALED DOWN: {note}")
+        print(f"  {'run':<16} {'maxRSS MiB':>10} {'- floor MiB':>11} {'seconds':>8} {'naive/this':>10} {'loss':>10}")
+        for name, x in mm["runs"].items():
+            ratio = f"{x['naive_over_this']:10.2f}" if "naive_over_this" in x else f"{'':>10}"
+            loss = f"{x['loss']:10.5f}" if x["loss"] is not None else f"{'':>10}"
+            print(f"  {name:<16} {x['maxrss_bytes'] / MiB:10.0f} {x['peak_minus_floor_mib']:11.0f} {x['seconds']:8.2f} "
+                  f"{ratio} {loss}")
+        print(f"  (chunked_N: chunked_loss, checkpoint=True, chunk N; unchunked_lib: chunked_loss with one chunk, "
+              f"no checkpoint; max loss spread {mm['loss_spread']:.2e})")
+    if "zero" in r:
+        z = r["zero"]
+        print(f"\n3. ecomla distill on 2 processes ({z['precision']}, seq {z['seq_len']}, {z['sequences_per_step']} "
+              f"sequences/step, {z['steps']} steps; median tokens/s after step 3)")
+        for stage in (2, 3):
+            x = z[f"zero{stage}"]
+            print(f"  ZeRO-{stage}   {x['median_tokens_per_s']:9.1f} tokens/s   run wall {x['wall_s']:6.1f} s   "
+                  f"kd {x['first_kd']:.3f} -> {x['last_kd']:.3f}")
+        print(f"  ZeRO-3 / ZeRO-2   {z['zero3_over_zero2']:.3f}")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="small sizes: a smoke run of every part")
+    p.add_argument("--out", type=Path, default=Path(".cache/bench_distill/bench_distill.json"), help="JSON results")
+    p.add_argument("--workdir", type=Path, default=Path(".cache/bench_distill"), help="logs and run outputs")
+    p.add_argument("--keep", action="store_true", help="keep the ZeRO models and run outputs")
+    p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads of the one-process parts")
+    p.add_argument("--skip", nargs="*", default=[], choices=["kd", "memory", "zero"], help="parts to leave out")
+    p.add_argument("--child", nargs=2, default=None, help=argparse.SUPPRESS)  # KIND JSON: one measured child
+    args = p.parse_args()
+    if args.child is not None:
+        print(json.dumps(CHILDREN[args.child[0]](json.loads(args.child[1]))))
+        return 0
+    preset = "quick" if args.quick else "full"
+    work = args.workdir.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    result: dict = {"preset": preset, "machine": {
+        "cpus": os.cpu_count(), "torch": version("torch"), "deepspeed": version("deepspeed"),
+        "transformers": version("transformers"), "python": platform.python_version(),
+        "load_avg_1min_at_start": os.getloadavg()[0], "platform": platform.platform()}}
+    t0 = time.perf_counter()
+    if "memory" not in args.skip:
+        result["memory"] = bench_memory(MEM[preset], args.threads, work)
+    if "kd" not in args.skip:
+        print("  kd overhead ...", flush=True)
+        kd, _ = child("kd", {**KD[preset], "threads": args.threads}, work, "kd")
+        kd["sizes"] = KD[preset]
+        kd["a_over_b_plus_c"] = kd["kd_step"]["median_s"] / (kd["ce_step"]["median_s"] + kd["teacher_forward"]["median_s"])
+        result["kd"] = kd
+    if "zero" not in args.skip:
+        result["zero"] = bench_zero(ZERO[preset], work, args.keep)
+    result["wall_s"] = time.perf_counter() - t0
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print_tables(result)
+    print(f"\nwrote {args.out} ({result['wall_s']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
