@@ -43,6 +43,7 @@ from ecomla.distill import models
 from ecomla.distill.data import model_inputs, open_dataset
 from ecomla.distill.ds_config import build_ds_config, teacher_ds_config
 from ecomla.distill.losses import KDLoss, LossSpec, chunked_loss
+from ecomla.distill.monitor import RunLog
 from ecomla.distill.recipe import DistillRecipe
 from ecomla.distill.runtime import Dist, all_reduce_max, all_reduce_sum, barrier, init_distributed
 from ecomla.distill.teacher import CachedTeacher, LiveTeacher
@@ -236,7 +237,7 @@ class DistillRun:
             self.out.mkdir(parents=True, exist_ok=True)
             save_recipe(r, self.out / "ecomla_recipe.yaml")
         metrics_path = self.out / "metrics.jsonl"
-        logger = _Logger(self.out, r.log, dist.is_main, start_step)
+        logger = RunLog(self.out, r.log, dist.is_main, start_step)
         bar = tqdm(total=self.total_steps, initial=start_step, desc="distill", unit="step",
                    disable=not (self.progress and dist.is_main))
         tokens_per_step = r.train.global_batch_tokens
@@ -381,50 +382,6 @@ class DistillRun:
                 save_recipe(self.recipe, final / "ecomla_recipe.yaml")
         barrier()
         return final
-
-
-class _Logger:
-    """Rank-0 metrics: metrics.jsonl (truncated to the resumed step), TensorBoard and W&B when installed."""
-
-    def __init__(self, out: Path, cfg, main: bool, start_step: int):
-        self.main, self.cfg = main, cfg
-        self.tb = self.wandb = None
-        if not main:
-            return
-        path = out / "metrics.jsonl"
-        if path.exists():  # drop steps logged after the checkpoint we resumed from
-            rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-            keep = [json.dumps(row) for row in rows if row.get("step", 0) <= start_step and not row.get("final_eval")]
-            path.write_text("".join(k + "\n" for k in keep))
-        if cfg.tensorboard:
-            with contextlib.suppress(ImportError):
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.tb = SummaryWriter(str(out / "tensorboard"))
-        if cfg.wandb_project:
-            with contextlib.suppress(ImportError):
-                import wandb
-
-                self.wandb = wandb.init(project=cfg.wandb_project, dir=str(out))
-
-    def log(self, row: dict, path: Path) -> None:
-        if not self.main:
-            return
-        with open(path, "a") as f:
-            f.write(json.dumps(row) + "\n")
-        if row["step"] % max(1, self.cfg.every_steps) == 0:
-            for k, v in row.items():
-                if isinstance(v, (int, float)) and k != "step":
-                    if self.tb is not None:
-                        self.tb.add_scalar(k, v, row["step"])
-            if self.wandb is not None:
-                self.wandb.log(row, step=row["step"])
-
-    def close(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
-        if self.wandb is not None:
-            self.wandb.finish()
 
 
 def run(recipe: DistillRecipe, *, force: bool = False, progress: bool = True) -> dict:
