@@ -1,6 +1,6 @@
 """Benchmark: what distillation costs beyond running both models, what chunking saves, and ZeRO-2 vs ZeRO-3.
 
-    python scripts/bench_distill.py             # the full run, ~10 minutes on 2 CPU cores
+    python scripts/bench_distill.py             # the full run, ~5 minutes on 2 CPU cores
     python scripts/bench_distill.py --quick     # smaller sizes, a smoke run of every part
 
 Three measurements, each reported as a ratio of things measured side by side in this run:
@@ -33,6 +33,7 @@ import json
 import os
 import platform
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -44,20 +45,23 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
-LLAMA = dict(rms_norm_eps=1e-5, max_position_embeddings=2048, tie_word_embeddings=False)
-# name -> (full, quick) sizes
-KD = {"full": dict(vocab=8192, seq=512, batch=4, student=(256, 4), teacher=(512, 4), warmup=1, repeats=5),
-      "quick": dict(vocab=2048, seq=128, batch=2, student=(64, 2), teacher=(128, 2), warmup=1, repeats=2)}
-MEM = {"full": dict(vocab=128256, tokens=2048, d=256, chunks=(1024, 256)),
-       "quick": dict(vocab=16384, tokens=512, d=64, chunks=(256, 64))}
-ZERO = {"full": dict(vocab=8192, seq=256, student=(256, 4), teacher=(384, 4), steps=24, kv_lora_rank=64),
-        "quick": dict(vocab=1024, seq=64, student=(64, 2), teacher=(96, 2), steps=6, kv_lora_rank=16)}
+# Memory children: glibc otherwise raises its mmap threshold up to 32 MiB after the first free, keeps
+# freed blocks below it on its heap, and RSS then measures fragmentation instead of live tensors.
+MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(1 << 16)}
+# Sizes per preset; model shapes are (width, layers).
+KD = {"full": {"vocab": 8192, "seq": 512, "batch": 4, "student": (256, 4), "teacher": (512, 4), "warmup": 1, "repeats": 9},
+      "quick": {"vocab": 2048, "seq": 128, "batch": 2, "student": (64, 2), "teacher": (128, 2), "warmup": 1, "repeats": 2}}
+MEM = {"full": {"vocab": 128256, "tokens": 2048, "d": 256, "chunks": (1024, 256)},
+       "quick": {"vocab": 16384, "tokens": 512, "d": 64, "chunks": (256, 64)}}
+ZERO = {"full": {"vocab": 8192, "seq": 256, "student": (256, 4), "teacher": (384, 4), "steps": 40, "kv_lora_rank": 64},
+        "quick": {"vocab": 1024, "seq": 64, "student": (64, 2), "teacher": (96, 2), "steps": 6, "kv_lora_rank": 16}}
 
 
-def llama_config(vocab: int, width: int, layers: int, **extra) -> dict:
-    """A Llama shape: head dim 32, 2 query heads per KV head, MLP 2x wide."""
-    return dict(LLAMA, vocab_size=vocab, hidden_size=width, num_hidden_layers=layers, intermediate_size=2 * width,
-                num_attention_heads=width // 32, num_key_value_heads=max(1, width // 64), **extra)
+def llama_config(vocab: int, width: int, layers: int) -> dict:
+    """A Llama shape: head dim 32, 2 query heads per KV head, MLP 2x wide, untied head."""
+    return {"vocab_size": vocab, "hidden_size": width, "num_hidden_layers": layers, "intermediate_size": 2 * width,
+            "num_attention_heads": width // 32, "num_key_value_heads": max(1, width // 64), "rms_norm_eps": 1e-5,
+            "max_position_embeddings": 2048, "tie_word_embeddings": False}
 
 
 # ---- children (torch is imported only here) -------------------------------------------------------------------
@@ -76,12 +80,12 @@ def child_kd(spec: dict) -> dict:
     student = LlamaForCausalLM(LlamaConfig(**llama_config(spec["vocab"], *spec["student"]))).train()
     teacher = LlamaForCausalLM(LlamaConfig(**llama_config(spec["vocab"], *spec["teacher"]))).eval().requires_grad_(False)
     B, T = spec["batch"], spec["seq"]
-    tokens = torch.randint(spec["vocab"], (B, T))  # (B, T) one document per row
+    tokens = torch.randint(spec["vocab"], (B, T))  # (B, T), one document per row
     batch = {"tokens": tokens, "segments": torch.ones(B, T, dtype=torch.long), "loss_mask": torch.ones(B, T)}
-    loss_spec, live = LossSpec(), LiveTeacher(teacher, 1.0)
+    live = LiveTeacher(teacher, 1.0)
 
     def kd_step() -> None:
-        sums = batch_loss(student, live, batch, list(range(B)), loss_spec, cross_document=True,
+        sums = batch_loss(student, live, batch, list(range(B)), LossSpec(), cross_document=True,
                           dtype=torch.float32, device=torch.device("cpu"), chunk_tokens=1024)
         (sums.total / sums.tokens).backward()
 
@@ -89,22 +93,22 @@ def child_kd(spec: dict) -> dict:
         logits = student(input_ids=tokens).logits[:, :-1]  # (B, T-1, V)
         F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)).backward()
 
+    @torch.no_grad()
     def teacher_forward() -> None:
-        with torch.no_grad():
-            teacher(input_ids=tokens).logits
+        teacher(input_ids=tokens)
 
-    out = {"threads": torch.get_num_threads(), "student_params": sum(p.numel() for p in student.parameters()),
-           "teacher_params": sum(p.numel() for p in teacher.parameters())}
-    for name, fn in (("kd_step", kd_step), ("ce_step", ce_step), ("teacher_forward", teacher_forward)):
-        times = []
-        for i in range(spec["warmup"] + spec["repeats"]):
+    steps = {"kd_step": kd_step, "ce_step": ce_step, "teacher_forward": teacher_forward}
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for i in range(spec["warmup"] + spec["repeats"]):
+        for name, fn in steps.items():  # interleaved, so a change of machine load hits all three alike
             student.zero_grad(set_to_none=True)
             t0 = time.perf_counter()
             fn()
             if i >= spec["warmup"]:
-                times.append(time.perf_counter() - t0)
-        out[name] = {"median_s": statistics.median(times), "all_s": times}
-    return out
+                times[name].append(time.perf_counter() - t0)
+    return {"threads": torch.get_num_threads(), "student_params": sum(p.numel() for p in student.parameters()),
+            "teacher_params": sum(p.numel() for p in teacher.parameters()),
+            **{name: {"median_s": statistics.median(t), "all_s": t} for name, t in times.items()}}
 
 
 def child_mem(spec: dict) -> dict:
@@ -113,32 +117,37 @@ def child_mem(spec: dict) -> dict:
 
     from ecomla.distill.losses import LossSpec, TeacherDist, chunked_loss
 
+    def run(mode: str, T: int, d: int, V: int, chunk: int = 0, checkpoint: bool = False) -> dict:
+        torch.manual_seed(0)
+        hidden = torch.randn(T, d, requires_grad=True)  # (T, d) student rows
+        head = torch.nn.Linear(d, V, bias=False)
+        t_hidden = torch.randn(T, d)  # (T, d) teacher rows
+        t_head = torch.nn.Linear(d, V, bias=False).requires_grad_(False)
+        targets = torch.randint(V, (T,))
+        t0 = time.perf_counter()
+        if mode == "floor":
+            return {"loss": None, "seconds": 0.0}
+        if mode == "naive":
+            with torch.no_grad():
+                log_p = torch.log_softmax(t_head(t_hidden), -1)  # (T, V)
+            log_q = torch.log_softmax(head(hidden), -1)  # (T, V)
+            loss = (log_p.exp() * (log_p - log_q)).sum(-1).mean()
+        else:
+            loss = chunked_loss(hidden, head, lambda s, e: TeacherDist.from_logits(t_head(t_hidden[s:e]), 1.0),
+                                targets, LossSpec(), chunk, checkpoint=checkpoint).total / T
+        loss.backward()
+        return {"loss": float(loss), "seconds": time.perf_counter() - t0}
+
     torch.set_num_threads(spec["threads"])
-    torch.manual_seed(0)
-    T, d, V = spec["tokens"], spec["d"], spec["vocab"]
-    hidden = torch.randn(T, d, requires_grad=True)  # (T, d) student rows
-    head = torch.nn.Linear(d, V, bias=False)
-    t_hidden = torch.randn(T, d)  # (T, d) teacher rows
-    t_head = torch.nn.Linear(d, V, bias=False).requires_grad_(False)
-    targets = torch.randint(V, (T,))
-    t0 = time.perf_counter()
-    mode = spec["mode"]
-    if mode == "floor":
-        return {"loss": None, "seconds": 0.0}
-    if mode == "naive":
-        with torch.no_grad():
-            log_p = torch.log_softmax(t_head(t_hidden), -1)  # (T, V)
-        log_q = torch.log_softmax(head(hidden), -1)  # (T, V)
-        loss = (log_p.exp() * (log_p - log_q)).sum(-1).mean()
-    else:
-        loss = chunked_loss(hidden, head, lambda s, e: TeacherDist.from_logits(t_head(t_hidden[s:e]), 1.0), targets,
-                            LossSpec(), spec["chunk"], checkpoint=spec["checkpoint"]).total / T
-    loss.backward()
-    return {"loss": float(loss), "seconds": time.perf_counter() - t0, "grad_norm": float(hidden.grad.norm())}
+    # Every child, the floor too, first runs every code path once at toy size: the first non-reentrant
+    # checkpoint imports ~800 modules (~80 MB, ~1 s), which is not the loss's memory.
+    for mode, checkpoint in (("naive", False), ("chunked", False), ("chunked", True)):
+        run(mode, 8, 16, 32, chunk=4, checkpoint=checkpoint)
+    return run(spec["mode"], spec["tokens"], spec["d"], spec["vocab"], spec.get("chunk", 0), spec.get("checkpoint", False))
 
 
 def child_world(spec: dict) -> dict:
-    """Tokenizer, corpus, MLA student (converted) and Llama teacher for the ZeRO runs."""
+    """Tokenizer, corpus, MLA student (converted from a Llama) and Llama teacher for the ZeRO runs."""
     sys.path.insert(0, str(ROOT))
     from tests.convert.helpers import convert
     from tests.tiny import domain_text, make_source, make_tokenizer
@@ -146,8 +155,7 @@ def child_world(spec: dict) -> dict:
     root = Path(spec["root"])
     tok = make_tokenizer(root / "tok")
     with open(root / "corpus.jsonl", "w") as f:
-        for text in domain_text("a", 1500, 1) + domain_text("b", 1500, 1):
-            f.write(json.dumps({"text": text}) + "\n")
+        f.writelines(json.dumps({"text": t}) + "\n" for t in domain_text("a", 1500, 1) + domain_text("b", 1500, 1))
     base = make_source(root / "base", tok, seed=1, **llama_config(spec["vocab"], *spec["student"]))
     convert(base, root / "student", mla={"kv_lora_rank": spec["kv_lora_rank"], "qk_rope_head_dim": 16})
     make_source(root / "teacher", tok, seed=2, **llama_config(spec["vocab"], *spec["teacher"]))
@@ -158,65 +166,69 @@ CHILDREN = {"kd": child_kd, "mem": child_mem, "world": child_world}
 
 
 # ---- parent ---------------------------------------------------------------------------------------------------
-def env(threads: int | None = None) -> dict:
-    e = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    e.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
-    e.setdefault("HF_HOME", str(ROOT / ".cache" / "hf"))
-    if threads is not None:
-        e["OMP_NUM_THREADS"] = str(threads)
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        e.pop(key, None)
-    return e
-
-
-def spawn(cmd: list[str], log: Path, threads: int | None = None) -> tuple[int, float, int]:
+def spawn(cmd: list[str], log: Path, extra_env: dict[str, str]) -> tuple[int, float, int]:
     """Run cmd with stdout+stderr to log; (return code, wall seconds, this child's own ru_maxrss in bytes)."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **extra_env)
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
+    env.setdefault("HF_HOME", str(ROOT / ".cache" / "hf"))
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
     t0 = time.perf_counter()
     with log.open("w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env(threads))
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
         _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)  # reaped by wait4, so tell Popen
     return proc.returncode, time.perf_counter() - t0, usage.ru_maxrss * 1024  # ru_maxrss is KiB on Linux
 
 
-def child(kind: str, spec: dict, work: Path, name: str) -> tuple[dict, int]:
-    """Run one child of this script; (its JSON result, its peak RSS in bytes). Raises with the log's tail."""
+def failed(what: str, rc: int, log: Path) -> RuntimeError:
+    return RuntimeError(f"{what} failed (rc {rc}); end of {log}:\n" + "\n".join(log.read_text().splitlines()[-40:]))
+
+
+def child(kind: str, spec: dict, work: Path, name: str, extra_env: dict[str, str] | None = None) -> tuple[dict, int]:
+    """Run one child of this script; (its JSON result, its peak RSS in bytes)."""
     log = work / f"{name}.log"
-    rc, _, rss = spawn([sys.executable, __file__, "--child", kind, json.dumps(spec)], log, spec.get("threads"))
+    threads = {"OMP_NUM_THREADS": str(spec["threads"])} if "threads" in spec else {}
+    rc, _, rss = spawn([sys.executable, __file__, "--child", kind, json.dumps(spec)], log, {**threads, **(extra_env or {})})
     lines = log.read_text().splitlines()
     if rc != 0 or not lines or not lines[-1].startswith("{"):
-        raise RuntimeError(f"child {name} failed (rc {rc}); end of {log}:\n" + "\n".join(lines[-40:]))
+        raise failed(f"child {name}", rc, log)
     return json.loads(lines[-1]), rss
 
 
 def bench_memory(size: dict, threads: int, work: Path) -> dict:
     mem = dict(size)
-    avail = int(next(l for l in Path("/proc/meminfo").read_text().splitlines() if l.startswith("MemAvailable")).split()[1]) * 1024
-    naive_guess = 10 * 4 * mem["tokens"] * mem["vocab"]  # ~10 live fp32 (T, V) tensors in the naive backward
+    meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    avail = int(meminfo["MemAvailable"].split()[0]) * 1024
     scaled = []
-    while naive_guess > 0.6 * avail and mem["tokens"] > 256:
+    while 10 * 4 * mem["tokens"] * mem["vocab"] > 0.6 * avail and mem["tokens"] > 256:  # ~10 live (T, V) fp32
         mem["tokens"] //= 2
-        naive_guess //= 2
-        scaled.append(f"tokens halved to {mem['tokens']}: naive estimate {naive_guess * 2 / 2**30:.1f} GiB "
-                      f"> 60% of MemAvailable {avail / 2**30:.1f} GiB")
-    runs = {"floor": dict(mode="floor"), "naive": dict(mode="naive"),
-            "unchunked_lib": dict(mode="chunked", chunk=mem["tokens"], checkpoint=False)}
-    runs.update({f"chunked_{c}": dict(mode="chunked", chunk=c, checkpoint=True) for c in mem["chunks"]})
+        scaled.append(f"tokens halved to {mem['tokens']}: ~10 x (T, V) fp32 would exceed 60% of MemAvailable "
+                      f"({avail / 2**30:.1f} GiB)")
+    runs = {"floor": {"mode": "floor"}, "naive": {"mode": "naive"},
+            "unchunked_lib": {"mode": "chunked", "chunk": mem["tokens"], "checkpoint": False}}
+    runs.update({f"chunked_{c}": {"mode": "chunked", "chunk": c, "checkpoint": True} for c in mem["chunks"]})
     rows = {}
     for name, extra in runs.items():
         print(f"  memory: {name} ...", flush=True)
-        res, rss = child("mem", {"vocab": mem["vocab"], "tokens": mem["tokens"], "d": mem["d"], "threads": threads,
-                                 **extra}, work, f"mem_{name}")
+        spec = {"vocab": mem["vocab"], "tokens": mem["tokens"], "d": mem["d"], "threads": threads, **extra}
+        res, rss = child("mem", spec, work, f"mem_{name}", MALLOC)
         rows[name] = {**extra, **res, "maxrss_bytes": rss}
-    floor = rows["floor"]["maxrss_bytes"]
-    for name, r in rows.items():
-        r["peak_minus_floor_mib"] = (r["maxrss_bytes"] - floor) / MiB
-    for name in rows:
+    for row in rows.values():
+        row["peak_minus_floor_mib"] = (row["maxrss_bytes"] - rows["floor"]["maxrss_bytes"]) / MiB
+    for name, row in rows.items():
         if name.startswith("chunked_"):
-            rows[name]["naive_over_this"] = rows["naive"]["peak_minus_floor_mib"] / max(1e-9, rows[name]["peak_minus_floor_mib"])
-    losses = [r["loss"] for n, r in rows.items() if n != "floor"]
+            row["naive_over_this"] = rows["naive"]["peak_minus_floor_mib"] / max(1e-9, row["peak_minus_floor_mib"])
+    losses = [row["loss"] for name, row in rows.items() if name != "floor"]
     return {"sizes": {k: mem[k] for k in ("vocab", "tokens", "d")}, "scaled_down": scaled, "runs": rows,
-            "loss_spread": max(losses) - min(losses), "logits_bytes_fp32": 4 * mem["tokens"] * mem["vocab"]}
+            "threads": threads, "malloc_env": MALLOC, "loss_spread": max(losses) - min(losses),
+            "logits_bytes_fp32": 4 * mem["tokens"] * mem["vocab"]}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def bench_zero(size: dict, work: Path, keep: bool) -> dict:
@@ -225,31 +237,29 @@ def bench_zero(size: dict, work: Path, keep: bool) -> dict:
     world.mkdir(parents=True)
     print("  zero: building student (convert) and teacher ...", flush=True)
     child("world", {**size, "root": str(world)}, work, "world")
-    seq, per_step = size["seq"], 4  # 4 sequences per step: micro-batch 2 on each of 2 ranks
-    out = {"precision": "fp32", "seq_len": seq, "sequences_per_step": per_step, "steps": size["steps"]}
-    for stage in (2, 3):
-        run_dir = world / f"run_zero{stage}"
-        recipe = {
+    seq, per_step = size["seq"], 4  # 4 sequences per step: micro-batch 2 on each of 2 ranks, no accumulation
+    out: dict = {"precision": "fp32", "seq_len": seq, "sequences_per_step": per_step, "steps": size["steps"]}
+    for stage in (2, 3):  # identical recipes but for the ZeRO stage
+        run_dir, path, log = world / f"run_zero{stage}", world / f"zero{stage}.yaml", work / f"zero{stage}.log"
+        path.write_text(yaml.safe_dump({
             "student": str(world / "student"), "teacher": {"model": str(world / "teacher")},
             "data": {"train": {"dataset": str(world / "corpus.jsonl")}, "seq_len": seq},
             "train": {"total_tokens": seq * per_step * size["steps"], "global_batch_tokens": seq * per_step,
                       "micro_batch_size": 2, "lr": 1e-3, "warmup_ratio": 0.0, "precision": "fp32"},
             "deepspeed": {"zero_stage": stage, "config": f"recipes/deepspeed/zero{stage}.json"},
             "checkpoint": {"every_steps": 0}, "log": {"tensorboard": False}, "output_dir": str(run_dir),
-        }
-        path = world / f"zero{stage}.yaml"
-        path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+        }, sort_keys=False))
         print(f"  zero: ZeRO-{stage}, 2 processes ...", flush=True)
         torchrun = str(Path(sys.executable).parent / "torchrun")
-        rc, wall, _ = spawn([torchrun, "--nproc_per_node", "2", "--master_port", str(29500 + 10 * stage + os.getpid() % 7),
-                             "-m", "ecomla.distill", str(path), "--quiet"], work / f"zero{stage}.log", threads=1)
+        rc, wall, _ = spawn([torchrun, "--nproc_per_node", "2", "--master_port", str(free_port()), "-m", "ecomla.distill",
+                             str(path), "--quiet"], log, {"OMP_NUM_THREADS": "1"})  # 2 ranks on 2 cores
         if rc != 0:
-            raise RuntimeError(f"ZeRO-{stage} run failed (rc {rc}); end of {work}/zero{stage}.log:\n"
-                               + "\n".join((work / f"zero{stage}.log").read_text().splitlines()[-40:]))
-        rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
-        tps = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r and r["step"] > 3]
+            raise failed(f"ZeRO-{stage} run", rc, log)
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        steps = [r for r in rows if "tokens_per_s" in r]
+        tps = [r["tokens_per_s"] for r in steps if r["step"] > 3]
         out[f"zero{stage}"] = {"median_tokens_per_s": statistics.median(tps), "tokens_per_s": tps, "wall_s": wall,
-                               "first_kd": rows[0]["kd"], "last_kd": [r for r in rows if "kd" in r][-1]["kd"]}
+                               "first_kd": steps[0]["kd"], "last_kd": steps[-1]["kd"]}
     out["zero3_over_zero2"] = out["zero3"]["median_tokens_per_s"] / out["zero2"]["median_tokens_per_s"]
     if not keep:
         shutil.rmtree(world)
@@ -277,12 +287,13 @@ def print_tables(r: dict) -> None:
             print(f"  SCALED DOWN: {note}")
         print(f"  {'run':<16} {'maxRSS MiB':>10} {'- floor MiB':>11} {'seconds':>8} {'naive/this':>10} {'loss':>10}")
         for name, x in mm["runs"].items():
-            ratio = f"{x['naive_over_this']:10.2f}" if "naive_over_this" in x else f"{'':>10}"
-            loss = f"{x['loss']:10.5f}" if x["loss"] is not None else f"{'':>10}"
+            ratio = f"{x['naive_over_this']:10.2f}" if "naive_over_this" in x else " " * 10
+            loss = f"{x['loss']:10.5f}" if x["loss"] is not None else " " * 10
             print(f"  {name:<16} {x['maxrss_bytes'] / MiB:10.0f} {x['peak_minus_floor_mib']:11.0f} {x['seconds']:8.2f} "
                   f"{ratio} {loss}")
-        print(f"  (chunked_N: chunked_loss, checkpoint=True, chunk N; unchunked_lib: chunked_loss with one chunk, "
-              f"no checkpoint; max loss spread {mm['loss_spread']:.2e})")
+        print(f"  (chunked_N: chunked_loss, checkpoint=True, chunk N; unchunked_lib: chunked_loss in one chunk, no "
+              f"checkpoint;\n   loss spread {mm['loss_spread']:.1e}; seconds: forward + backward on {mm['threads']} "
+              f"threads under MALLOC_MMAP_THRESHOLD_={MALLOC['MALLOC_MMAP_THRESHOLD_']})")
     if "zero" in r:
         z = r["zero"]
         print(f"\n3. ecomla distill on 2 processes ({z['precision']}, seq {z['seq_len']}, {z['sequences_per_step']} "
@@ -298,7 +309,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke run of every part")
     p.add_argument("--out", type=Path, default=Path(".cache/bench_distill/bench_distill.json"), help="JSON results")
-    p.add_argument("--workdir", type=Path, default=Path(".cache/bench_distill"), help="logs and run outputs")
+    p.add_argument("--workdir", type=Path, default=Path(".cache/bench_distill"), help="child logs and run outputs")
     p.add_argument("--keep", action="store_true", help="keep the ZeRO models and run outputs")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads of the one-process parts")
     p.add_argument("--skip", nargs="*", default=[], choices=["kd", "memory", "zero"], help="parts to leave out")
