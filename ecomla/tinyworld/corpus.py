@@ -1,0 +1,112 @@
+"""Deterministic, endless text of the tiny world, in two domains and three splits.
+
+    from ecomla.tinyworld.corpus import iter_documents
+    for text in itertools.islice(iter_documents("stories", "train", seed=0), 1000): ...
+
+Domains: `stories` (prose narratives) and `records` (registries, ledgers and
+logs), each mixing the four skills of `threads.Skill`: recall, tracking,
+counting and memorized facts. Splits: `train` (pretraining and distillation),
+`calibration` (fitting low-rank bases), `heldout` (perplexity and eval items).
+
+Document `index` of (domain, split, seed) is generated from its own
+`random.Random`, seeded with a string naming all four, so documents can be
+made in any order or in parallel, never repeat across splits or seeds, and
+need no storage: the stream is as long as you read it. Generation is pure
+Python (see scripts/build_tiny_world_data.py --help for dumping it to JSONL).
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+from ecomla.tinyworld import records, stories
+from ecomla.tinyworld.threads import Cast, Layout, Skill, Step, Thread, interleave, render
+from ecomla.tinyworld.world import World, default_world
+
+Domain = Literal["stories", "records"]
+Split = Literal["train", "calibration", "heldout"]
+DOMAINS: tuple[Domain, ...] = get_args(Domain)
+SPLITS: tuple[Split, ...] = get_args(Split)
+
+_LAYOUT: dict[str, Layout] = {"stories": "prose", "records": "lines"}
+_MODULES = {"stories": stories, "records": records}
+# How often each skill's threads appear; stories state facts in passing, records in bulk.
+_SKILL_WEIGHTS = {
+    "stories": {Skill.RECALL: 1.0, Skill.TRACKING: 1.0, Skill.COUNTING: 1.0, Skill.FACTS: 0.6},
+    "records": {Skill.RECALL: 1.0, Skill.TRACKING: 1.0, Skill.COUNTING: 1.0, Skill.FACTS: 1.0},
+}
+
+
+def check_domain(domain: str) -> Domain:
+    if domain not in DOMAINS:
+        raise ValueError(f"domain {domain!r} is not one of {', '.join(DOMAINS)}")
+    return domain  # type: ignore[return-value]
+
+
+def check_split(split: str) -> Split:
+    if split not in SPLITS:
+        raise ValueError(f"split {split!r} is not one of {', '.join(SPLITS)}")
+    return split  # type: ignore[return-value]
+
+
+@dataclass
+class Document:
+    """A rendered document and how it was built (eval items cut it at a probe)."""
+
+    text: str
+    steps: list[tuple[int, Step]]  # (thread index, step); -1 marks the opening and ending lines
+    threads: list[Thread]
+    offsets: list[int]  # per step: where its answer starts in `text` (see threads.render)
+
+
+def compose(
+    rng: random.Random, world: World, domain: str, n_threads: int, *, first: Skill | None = None, ending: bool = True
+) -> Document:
+    """One document of `n_threads` skill threads (thread 0 has skill `first` when given)."""
+    module = _MODULES[check_domain(domain)]
+    cast = Cast.draw(rng, world)
+    weights = _SKILL_WEIGHTS[domain]
+    skills = [first] if first is not None else []
+    skills += rng.choices(list(weights), weights=list(weights.values()), k=n_threads - len(skills))
+    threads = [rng.choice(module.THREADS[skill])(rng, world, cast) for skill in skills]
+    if domain == "stories":
+        threads += [stories.filler(rng, cast) for _ in range(rng.randint(1, 4))]
+    steps: list[tuple[int, Step]] = [(-1, module.opening(rng, cast))]
+    steps += interleave(threads, rng)
+    if ending and domain == "stories" and rng.random() < 0.5:
+        steps.append((-1, stories.ending(rng)))
+    text, offsets = render([s for _, s in steps], _LAYOUT[domain], rng)
+    return Document(text, steps, threads, offsets)
+
+
+def document_rng(domain: str, split: str, seed: int, index: int) -> random.Random:
+    """The generator of one document; the string seed keeps every (domain, split, seed, index) apart."""
+    return random.Random(f"tinyworld/{check_split(split)}/{seed}/{check_domain(domain)}/{index}")
+
+
+def document(domain: str, split: str, seed: int, index: int, world: World | None = None) -> str:
+    """Document `index` of a stream: the same text every time, in any order."""
+    rng = document_rng(domain, split, seed, index)
+    return compose(rng, world or default_world(), domain, rng.randint(2, 5)).text
+
+
+def iter_documents(
+    domain: str, split: str, seed: int = 0, *, start: int = 0, world: World | None = None
+) -> Iterator[str]:
+    """The endless stream of documents of one domain and split, from document `start` on."""
+    check_domain(domain), check_split(split)
+    world = world or default_world()
+    for index in itertools.count(start):
+        yield document(domain, split, seed, index, world)
+
+
+def iter_mixed(split: str, seed: int = 0, *, start: int = 0, world: World | None = None) -> Iterator[str]:
+    """Both domains alternating (stories, records, stories, ...): the pretraining mix."""
+    world = world or default_world()
+    for index in itertools.count(start):
+        for domain in DOMAINS:
+            yield document(domain, split, seed, index, world)

@@ -1,0 +1,255 @@
+"""The `records` domain: registries, ledgers and logs, one entry per line.
+
+A record file has a header and interleaved entries: lookup tables (locker
+codes, phone extensions, ticket holders: recall), parcels and staff moving
+between cities (tracking), stock ledgers and visitor logs (counting), and
+encyclopedic entries, tables and Q/A lines about the world's cities (facts,
+the densest source of them). Records and stories share the world table and
+the skills but not their wording, so each is out-of-domain for the other.
+"""
+
+from __future__ import annotations
+
+import random
+
+from ecomla.tinyworld.threads import (
+    Cast,
+    Probe,
+    Skill,
+    Thread,
+    number_distractors,
+    pick_distractors,
+    relocation_thread,
+)
+from ecomla.tinyworld.world import GOODS, NAMES, UNITS, Attribute, City, World
+
+
+def _say(rng: random.Random, templates: tuple[str, ...], **slots) -> str:
+    return rng.choice(templates).format(**slots)
+
+
+def _count(n: int, forms: tuple[str, str]) -> str:
+    return f"{n} {forms[0] if n == 1 else forms[1]}"
+
+
+# ---------------------------------------------------------------- recall
+
+_LOCKERS = [str(i) for i in range(1, 100)]
+_IDS = [str(i) for i in range(100, 1000)]  # tickets and parcels
+
+LOCKER = (
+    "Locker {k}: code {v}.",
+    "Locker {k} uses code {v}.",
+    "The code of locker {k} is {v}.",
+    "Locker {k} - code {v}.",
+)
+ASK_LOCKER = ("Code for locker {k}:", "Locker {k} opens with code", "Lookup: locker {k}, code")
+EXTENSION = ("{k}: extension {v}.", "Extension {v} belongs to {k}.", "{k} can be reached at extension {v}.")
+ASK_EXTENSION = ("Extension of {k}:", "To reach {k}, dial", "Phone {k} at extension")
+TICKET = ("Ticket {k} was issued to {v}.", "Ticket {k}: holder {v}.", "Ticket no. {k} belongs to {v}.")
+ASK_TICKET = ("Ticket {k} is held by", "Holder of ticket {k}:", "Who holds ticket {k}? Answer:")
+
+
+def _lookup(rng: random.Random, keys: list[str], values: list[str], pool: list[str], tell, ask) -> Thread:
+    """State key -> value lines, probe some along the way, end on a probe of a random stated key."""
+    thread = Thread(Skill.RECALL)
+    lines: list[str] = []
+
+    def probe(i: int) -> Probe:
+        others = [v for j, v in enumerate(values) if j != i]
+        rng.shuffle(others)
+        return Probe(
+            _say(rng, ask, k=keys[i]), values[i], pick_distractors(values[i], others, pool, rng), evidence=lines[i]
+        )
+
+    for i, (key, value) in enumerate(zip(keys, values)):
+        lines.append(_say(rng, tell, k=key, v=value))
+        thread.add(lines[i])
+        if i and rng.random() < 0.2:
+            thread.add(probe(rng.randrange(i + 1)))
+    thread.add(probe(rng.randrange(len(keys))))
+    return thread
+
+
+def locker_codes(rng: random.Random, world: World, cast: Cast) -> Thread:
+    n = rng.randint(4, 8)
+    keys = cast.claim(rng, "locker", _LOCKERS, n)
+    values = [str(v) for v in rng.sample(range(1000, 10000), n + 4)]
+    return _lookup(rng, keys, values[:n], values[n:], LOCKER, ASK_LOCKER)
+
+
+def extensions(rng: random.Random, world: World, cast: Cast) -> Thread:
+    n = rng.randint(4, 7)
+    keys = cast.claim(rng, "extension", NAMES, n)
+    values = [str(v) for v in rng.sample(range(100, 1000), n + 4)]
+    return _lookup(rng, keys, values[:n], values[n:], EXTENSION, ASK_EXTENSION)
+
+
+def tickets(rng: random.Random, world: World, cast: Cast) -> Thread:
+    n = rng.randint(4, 7)
+    keys = cast.claim(rng, "ticket", _IDS, n)
+    values = rng.sample(NAMES, n + 4)
+    return _lookup(rng, keys, values[:n], values[n:], TICKET, ASK_TICKET)
+
+
+# ---------------------------------------------------------------- tracking
+
+PARCEL_AT = (
+    "Parcel {k} is at the depot in {dst}.",
+    "Parcel {k} registered in {dst}.",
+    "Parcel {k}: received at {dst}.",
+)
+PARCEL_MOVE = ("Parcel {k} left {src} for {dst}.", "Parcel {k} arrived in {dst}.", "Parcel {k} was moved to {dst}.",
+               "Transfer: parcel {k}, {src} to {dst}.")  # fmt: skip
+PARCEL_WHERE = ("Parcel {k} is now in", "Current location of parcel {k}:", "Status of parcel {k}: in")
+STAFF_AT = ("{k} joined the {dst} office.", "{k} works at the office in {dst}.", "New hire: {k}, office {dst}.")
+STAFF_MOVE = ("{k} was transferred from {src} to {dst}.", "{k} moved to the {dst} office.",
+              "Transfer: {k}, {src} to {dst}.")  # fmt: skip
+STAFF_WHERE = ("{k} now works in", "Office of {k}:", "Current office of {k}:")
+
+
+def _relocations(rng: random.Random, things: list[str], places: list[str], first, move, where) -> Thread:
+    return relocation_thread(
+        rng, things, places,
+        first=lambda k, dst: _say(rng, first, k=k, dst=dst),
+        move=lambda k, src, dst: _say(rng, move, k=k, src=src, dst=dst),
+        ask=lambda k: _say(rng, where, k=k),
+    )  # fmt: skip
+
+
+def parcels(rng: random.Random, world: World, cast: Cast) -> Thread:
+    ids = cast.claim(rng, "parcel", _IDS, rng.randint(2, 3))
+    places = [c.name for c in rng.sample(world.cities, 5)]
+    return _relocations(rng, ids, places, PARCEL_AT, PARCEL_MOVE, PARCEL_WHERE)
+
+
+def staff(rng: random.Random, world: World, cast: Cast) -> Thread:
+    people = cast.claim(rng, "staff", NAMES, rng.randint(2, 3))
+    places = [c.name for c in rng.sample(world.cities, 5)]
+    return _relocations(rng, people, places, STAFF_AT, STAFF_MOVE, STAFF_WHERE)
+
+
+# ---------------------------------------------------------------- counting
+
+OPEN = ("Opening stock: {n} of {g}.", "Stock of {g} at start: {n}.", "Counted {n} of {g} in the store.")
+IN = ("Received {k} of {g}.", "Delivered to store: {k} of {g}.", "Returned: {k} of {g}.")
+OUT = ("Shipped {k} of {g}.", "Sold {k} of {g}.", "Sent out {k} of {g}.")
+BALANCE = ("Stock of {g}:", "Balance of {g}:", "Remaining {g}:", "{G} left in the store:")
+VISIT = ("Visitor: {k}.", "Signed in: {k}.", "{k} signed the guest book.")
+VISITS = ("Visits by {k}:", "{k} signed in", "Number of visits by {k}:")
+
+
+def stock(rng: random.Random, world: World, cast: Cast) -> Thread:
+    """A ledger of two goods whose entries interleave; the probe asks the balance of one."""
+    thread = Thread(Skill.COUNTING)
+    goods = cast.claim(rng, "goods", GOODS, 2)
+    units = {g: rng.choice(UNITS) for g in goods}
+    total = {g: rng.randint(5, 30) for g in goods}
+    stale: dict[str, list[int]] = {g: [] for g in goods}
+    first = {}
+    for g in goods:
+        first[g] = _say(rng, OPEN, n=_count(total[g], units[g]), g=g)
+        thread.add(first[g])
+    for _ in range(rng.randint(3, 6)):
+        g = rng.choice(goods)
+        k = rng.randint(1, 9)
+        gain = total[g] - k < 0 or rng.random() < 0.5
+        thread.add(_say(rng, IN if gain else OUT, k=_count(k, units[g]), g=g))
+        stale[g].append(total[g])
+        total[g] += k if gain else -k
+    g = rng.choice([x for x in goods if stale[x]] or goods)
+    n = total[g]
+    thread.add(Probe(_say(rng, BALANCE, g=g, G=g.capitalize()), str(n), number_distractors(n, stale[g], rng),
+                     suffix=f" {units[g][0] if n == 1 else units[g][1]}.", evidence=first[g]))  # fmt: skip
+    return thread
+
+
+def visitors(rng: random.Random, world: World, cast: Cast) -> Thread:
+    thread = Thread(Skill.COUNTING)
+    target, *others = cast.claim(rng, "visitor", NAMES, rng.randint(3, 4))
+    log = [target] * rng.randint(1, 5) + [rng.choice(others) for _ in range(rng.randint(2, 5))]
+    rng.shuffle(log)
+    first = None
+    for name in log:
+        text = _say(rng, VISIT, k=name)
+        first = first or (text if name == target else None)
+        thread.add(text)
+    n = log.count(target)
+    thread.add(Probe(_say(rng, VISITS, k=target), str(n), number_distractors(n, [len(log)], rng),
+                     suffix=" time." if n == 1 else " times.", evidence=first))  # fmt: skip
+    return thread
+
+
+# ---------------------------------------------------------------- facts
+
+LABELS = {
+    Attribute.COUNTRY: ("Country", "Nation", "Land"),
+    Attribute.RIVER: ("River", "Waterway"),
+    Attribute.FOUNDER: ("Founder", "Founded by"),
+    Attribute.GOODS: ("Known for", "Trade", "Main good"),
+}
+QUESTIONS = {
+    Attribute.COUNTRY: (
+        "Q: In which country is {city}? A:",
+        "Q: Which country is {city} in? A:",
+        "Q: Where is {city}? A:",
+    ),
+    Attribute.RIVER: ("Q: Which river flows through {city}? A:", "Q: On which river does {city} lie? A:"),
+    Attribute.FOUNDER: ("Q: Who founded {city}? A:", "Q: Who was the founder of {city}? A:"),
+    Attribute.GOODS: ("Q: What is {city} known for? A:", "Q: What does {city} trade in? A:"),
+}
+PROSE = ("{city} is a city in {country} on the river {river}, founded by {founder} and known for its {goods}.",
+         "{city} ({country}): on the {river}; founder {founder}; trade in {goods}.")  # fmt: skip
+
+
+def qa_probe(rng: random.Random, world: World, city: City, attribute: Attribute) -> Probe:
+    value = city.get(attribute)
+    return Probe(_say(rng, QUESTIONS[attribute], city=city.name), value,
+                 pick_distractors(value, [], world.values(attribute), rng), suffix="")  # fmt: skip
+
+
+def _entry(rng: random.Random, city: City) -> str:
+    fields = list(Attribute)
+    rng.shuffle(fields)
+    if rng.random() < 0.3:
+        slots = {a.value: city.get(a) for a in Attribute}
+        return _say(rng, PROSE, city=city.name, **slots)
+    return f"{city.name}. " + " ".join(f"{rng.choice(LABELS[a])}: {city.get(a)}." for a in fields[: rng.randint(2, 4)])
+
+
+def _table(rng: random.Random, cities: list[City]) -> str:
+    columns = list(Attribute)
+    rng.shuffle(columns)
+    columns = columns[: rng.randint(2, 4)]
+    head = "| City | " + " | ".join(LABELS[a][0] for a in columns) + " |"
+    rows = ["| " + c.name + " | " + " | ".join(c.get(a) for a in columns) + " |" for c in cities]
+    return "\n".join([head, *rows])
+
+
+def city_records(rng: random.Random, world: World, cast: Cast) -> Thread:
+    """Entries or a table about a few cities, then a Q/A line about one of them."""
+    thread = Thread(Skill.FACTS)
+    cities = rng.sample(world.cities, rng.randint(2, 6))
+    if rng.random() < 0.4:
+        thread.add(_table(rng, cities))
+    else:
+        for city in cities[:3]:
+            thread.add(_entry(rng, city))
+    asked = rng.choice(cities) if rng.random() < 0.5 else rng.choice(world.cities)
+    thread.add(qa_probe(rng, world, asked, rng.choice(list(Attribute))))
+    return thread
+
+
+THREADS = {
+    Skill.TRACKING: (parcels, staff),
+    Skill.RECALL: (locker_codes, extensions, tickets),
+    Skill.COUNTING: (stock, visitors),
+    Skill.FACTS: (city_records,),
+}
+
+HEADERS = ("Registry of {city}", "Ledger {n}, {city}", "Records of the {city} office", "Log book of {city}, page {n}",
+           "Archive file {n}")  # fmt: skip
+
+
+def opening(rng: random.Random, cast: Cast) -> str:
+    return _say(rng, HEADERS, city=cast.city.name, n=rng.randint(1, 999))

@@ -1,0 +1,139 @@
+"""`ecomla.tinyworld.corpus` (and the stories/records/threads it weaves).
+
+Proves: streams are deterministic and random-access; splits, seeds and
+domains never share a document; bad names are rejected by name; both domains
+contain every skill; and the text tells the truth, checked by replaying it:
+every door or locker has one code per document, every parcel's moves start
+where it was and every probe of its location names where it is, and every
+stock balance equals the opening count plus receipts minus shipments.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import re
+from collections import defaultdict
+
+import pytest
+
+from ecomla.tinyworld.corpus import DOMAINS, SPLITS, compose, document, iter_documents, iter_mixed
+from ecomla.tinyworld.threads import Probe, Skill
+from ecomla.tinyworld.world import LOCKS, default_world
+
+
+def take(domain: str, split: str, n: int, seed: int = 0) -> list[str]:
+    return list(itertools.islice(iter_documents(domain, split, seed), n))
+
+
+@pytest.mark.parametrize("domain", DOMAINS)
+def test_same_seed_same_text_and_random_access(domain):
+    first = take(domain, "train", 30)
+    assert first == take(domain, "train", 30)
+    assert list(itertools.islice(iter_documents(domain, "train", 0, start=17), 5)) == first[17:22]
+    assert document(domain, "train", 0, 29) == first[29]
+    assert len(set(first)) == 30
+
+
+@pytest.mark.parametrize("domain", DOMAINS)
+def test_splits_seeds_and_domains_never_share_documents(domain):
+    samples = {split: set(take(domain, split, 400)) for split in SPLITS}
+    for a, b in itertools.combinations(SPLITS, 2):
+        assert not samples[a] & samples[b], (a, b)
+    assert not set(take(domain, "train", 400, seed=1)) & samples["train"]
+    other = next(d for d in DOMAINS if d != domain)
+    assert not set(take(other, "train", 400)) & samples["train"]
+
+
+def test_mixed_stream_alternates_domains():
+    mixed = list(itertools.islice(iter_mixed("train"), 6))
+    assert mixed[0::2] == take("stories", "train", 3) and mixed[1::2] == take("records", "train", 3)
+
+
+def test_bad_names_are_rejected_by_name():
+    with pytest.raises(ValueError, match="stories, records"):
+        next(iter_documents("novels", "train"))
+    with pytest.raises(ValueError, match="train, calibration, heldout"):
+        next(iter_documents("stories", "test"))
+
+
+@pytest.mark.parametrize("domain", DOMAINS)
+def test_every_skill_occurs_and_probes_follow_their_evidence(domain):
+    world, seen = default_world(), set()
+    for index in range(200):
+        rng = random.Random(f"test/{domain}/{index}")
+        doc = compose(rng, world, domain, rng.randint(2, 5))
+        seen |= {t.skill for t in doc.threads}
+        for (_, step), offset in zip(doc.steps, doc.offsets):
+            if isinstance(step, Probe):
+                assert doc.text[offset : offset + 1 + len(step.answer)] == " " + step.answer
+                assert step.answer not in step.distractors and len(set(step.distractors)) >= 3
+                if step.evidence is not None:  # the deciding step comes before the probe
+                    assert 0 <= doc.text.find(step.evidence) < offset
+    assert seen >= {Skill.RECALL, Skill.TRACKING, Skill.COUNTING, Skill.FACTS}
+
+
+_KEY = re.compile(rf"\b(\w+ (?:{'|'.join(LOCKS)}))\b")
+
+
+@pytest.mark.parametrize("domain", DOMAINS)
+def test_every_door_and_locker_has_one_code_per_document(domain):
+    checked = 0
+    for text in take(domain, "train", 400):
+        codes = defaultdict(set)
+        for sentence in re.split(r"(?<=[.?!:])\s+|\n", text):
+            number = re.findall(r"\b\d{4}\b", sentence)
+            if domain == "stories":
+                key = _KEY.search(sentence)
+                key = key.group(1).lower() if key else None
+            else:
+                key = re.search(r"\block(?:er)? (\d+)\b", sentence, re.I)
+                key = key.group(1) if key else None
+            if key and number:
+                codes[key].add(number[0])
+        assert all(len(v) == 1 for v in codes.values()), codes
+        checked += len(codes)
+    assert checked > 300
+
+
+def test_parcels_move_from_where_they_are_and_probes_say_where_they_are():
+    checked = 0
+    for text in take("records", "train", 600):
+        where: dict[str, str] = {}
+        for line in text.splitlines():
+            m = re.search(r"\b[Pp]arcel (\d+)\b", line)
+            if not m:
+                continue
+            parcel, dst = m.group(1), re.findall(r"\w+", line)[-1]
+            src = re.search(r"left (\w+) for|, (\w+) to ", line)
+            if src:
+                assert (src.group(1) or src.group(2)) == where[parcel], line
+            if re.search(r"is now in|Current location|Status of", line):
+                assert dst == where[parcel], line
+                checked += 1
+            where[parcel] = dst
+    assert checked > 50
+
+
+def test_stock_balances_add_up():
+    opening = re.compile(
+        r"Opening stock: (\d+) \w+ of (\w+)\.|Stock of (\w+) at start: (\d+) \w+\.|Counted (\d+) \w+ of (\w+) in"
+    )
+    delta = re.compile(r"^(Received|Delivered to store:|Returned:|Shipped|Sold|Sent out) (\d+) \w+ of (\w+)\.$")
+    balance = re.compile(r"^(?:Stock of (\w+)|Balance of (\w+)|Remaining (\w+)|(\w+) left in the store): (\d+) \w+\.$")
+    checked = 0
+    for text in take("records", "train", 600):
+        stock: dict[str, int] = {}
+        for line in text.splitlines():
+            if m := opening.search(line):
+                g = m.groups()
+                goods, n = (g[1], g[0]) if g[0] else (g[2], g[3]) if g[2] else (g[5], g[4])
+                stock[goods] = int(n)
+            elif m := delta.match(line):
+                sign = 1 if m.group(1) in ("Received", "Delivered to store:", "Returned:") else -1
+                stock[m.group(3)] += sign * int(m.group(2))
+            elif m := balance.match(line):
+                goods = next(x for x in m.groups()[:4] if x).lower()
+                assert stock[goods] == int(m.group(5)), line
+                checked += 1
+    assert checked > 50
