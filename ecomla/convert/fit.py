@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from ecomla.convert.to_mla import pad_cols, pad_rows
 from ecomla.mla import latent
 
 
@@ -22,19 +23,14 @@ def make_fitter(method: str, y: torch.Tensor | None, ridge: float, gen: torch.Ge
     def fit(M: torch.Tensor, rank: int, width: int):
         if method == "svd":
             basis = latent.weight_basis(M, rank)
-            return basis, _pad_up(latent.up_from_weights(M, basis.rows, width), width)
+            return basis, pad_cols(latent.up_from_weights(M, basis.rows, width), width)
         if method == "activation":
             ya = _augment(y, M.shape[1]).double()
             basis = latent.activation_basis(M, latent.second_moment(ya), rank)
-            rows = torch.cat([basis.rows, basis.rows.new_zeros(width - rank, basis.rows.shape[1])])
-            return basis, latent.up_from_activations(M, rows, ya, ridge=ridge)
+            return basis, latent.up_from_activations(M, pad_rows(basis.rows, width), ya, ridge=ridge)
         # random: the stock initializer, N(0, initializer_range), for both projections
         rows = torch.randn(rank, M.shape[1], generator=gen, dtype=torch.float64) * std
         up = torch.randn(M.shape[0], width, generator=gen, dtype=torch.float64) * std
         return latent.Basis(rows=rows, spectrum=torch.zeros(0), energy_kept=float("nan")), up
 
     return fit
-
-
-def _pad_up(up: torch.Tensor, width: int) -> torch.Tensor:
-    return up if up.shape[1] == width else torch.cat([up, up.new_zeros(up.shape[0], width - up.shape[1])], 1)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ecomla.mla.latent import Basis, up_from_activations, up_from_weights
+from ecomla.mla.latent import Basis
 from ecomla.mla.rope import RopeSplit
 
 
@@ -133,15 +133,8 @@ def pad_rows(rows: torch.Tensor, width: int) -> torch.Tensor:
     return torch.cat([rows, rows.new_zeros(width - rows.shape[0], rows.shape[1])], dim=0)
 
 
-def weight_up(M: torch.Tensor, basis: Basis, width: int) -> torch.Tensor:
-    return pad_cols(up_from_weights(M, basis.rows, width), width)
-
-
-def activation_up(M: torch.Tensor, basis: Basis, width: int, y: torch.Tensor) -> torch.Tensor:
-    return up_from_activations(M, pad_rows(basis.rows, width), y)
-
-
 def pad_cols(up: torch.Tensor, width: int) -> torch.Tensor:
+    """Zero columns appended to an up-projection for the padded latent rows."""
     if up.shape[1] == width:
         return up
     return torch.cat([up, up.new_zeros(up.shape[0], width - up.shape[1])], dim=1)

@@ -183,7 +183,7 @@ class AtomicCheckpointWriter:
         self.overwrite = overwrite
         self.shard_bytes = shard_bytes
         self._buffer: dict[str, torch.Tensor] = {}
-        self._shards: list[dict[str, torch.Tensor] | list[str]] = []
+        self._num_shards = 0
         self._weight_map: dict[str, str] = {}
         self._total = 0
         self._committed = False
@@ -203,18 +203,18 @@ class AtomicCheckpointWriter:
     def _flush(self) -> None:
         if not self._buffer:
             return
-        idx = len(self._shards) + 1
+        self._num_shards += 1
+        idx = self._num_shards
         fname = f"model-{idx:05d}.safetensors"
         save_file(self._buffer, str(self.tmp / fname), metadata={"format": "pt"})
         self._total += _nbytes(self._buffer.values())
         for name in self._buffer:
             self._weight_map[name] = fname
-        self._shards.append(list(self._buffer))
         self._buffer = {}
 
     def _finish_weights(self) -> None:
         self._flush()
-        n = len(self._shards)
+        n = self._num_shards
         if n == 1:  # a single shard gets the plain name, like save_pretrained
             (self.tmp / "model-00001.safetensors").rename(self.tmp / "model.safetensors")
             return
