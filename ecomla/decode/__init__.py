@@ -1,5 +1,5 @@
 """Fast decoding for converted (stock DeepSeek-V3) checkpoints: absorbed MLA over the latent cache."""
 
-from ecomla.decode.absorbed import AbsorbedDeepseekV3ForCausalLM
+from ecomla.decode.absorbed import AbsorbedDeepseekV3ForCausalLM, output_cache
 
-__all__ = ["AbsorbedDeepseekV3ForCausalLM"]
+__all__ = ["AbsorbedDeepseekV3ForCausalLM", "output_cache"]

@@ -27,6 +27,9 @@ only adds its own forward over the stock modules' weights.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+
 import torch
 from transformers import DeepseekV3ForCausalLM
 from transformers.cache_utils import Cache, DynamicCache
@@ -82,6 +85,16 @@ def absorbed_attention(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     return attn.o_proj(out)
 
 
+# transformers 5.24 renamed the cache argument and output field from `past_key_values` to `cache`
+# (the old argument name is deprecated until 5.40); speak whichever the installed version uses.
+_OUT_CACHE = "cache" if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} else "past_key_values"
+
+
+def output_cache(out) -> Cache | None:
+    """The cache a model output carries, under either field name."""
+    return getattr(out, _OUT_CACHE)
+
+
 class AbsorbedDeepseekV3ForCausalLM(DeepseekV3ForCausalLM):
     """A stock DeepseekV3ForCausalLM whose decoding steps run absorbed attention (see the module docstring)."""
 
@@ -97,6 +110,7 @@ class AbsorbedDeepseekV3ForCausalLM(DeepseekV3ForCausalLM):
         **kwargs,
     ) -> CausalLMOutputWithPast:
         base = self.model
+        past_key_values = kwargs.pop("cache", None) or past_key_values
         h = base.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         B, T, _ = h.shape
         use_cache = self.config.use_cache if use_cache is None else use_cache
@@ -115,10 +129,11 @@ class AbsorbedDeepseekV3ForCausalLM(DeepseekV3ForCausalLM):
                 h = h + layer.mlp(layer.post_attention_layernorm(h))
         else:
             # Prefill: the stock expanded path, through the stock model.
+            cache_arg = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
             h = base(inputs_embeds=h, attention_mask=attention_mask, position_ids=position_ids,
-                     past_key_values=past_key_values, use_cache=use_cache).last_hidden_state
+                     use_cache=use_cache, **{cache_arg: past_key_values}).last_hidden_state
             logits = self.lm_head(h[:, -logits_to_keep:] if isinstance(logits_to_keep, int) and logits_to_keep else h)
-            return CausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
+            return CausalLMOutputWithPast(logits=logits, **{_OUT_CACHE: past_key_values})
         h = base.norm(h)
         logits = self.lm_head(h)
-        return CausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
+        return CausalLMOutputWithPast(logits=logits, **{_OUT_CACHE: past_key_values})

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from ecomla.decode import AbsorbedDeepseekV3ForCausalLM
+from ecomla.decode import AbsorbedDeepseekV3ForCausalLM, output_cache
 from tests.convert.helpers import convert, padded_batch
 
 GEN = dict(max_new_tokens=10, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
@@ -66,7 +66,7 @@ def test_cache_holds_only_the_latent(mla_dir):
     ids = torch.arange(1, 11)[None]
     with torch.no_grad():
         out = fast(ids, use_cache=True)
-        out = fast(torch.tensor([[3]]), past_key_values=out.past_key_values, use_cache=True)
-    cache = out.past_key_values
+        out = fast(torch.tensor([[3]]), past_key_values=output_cache(out), use_cache=True)
+    cache = output_cache(out)
     layer0 = cache.layers[0]
     assert layer0.keys.shape == (1, 1, 11, 24) and layer0.values.shape == (1, 1, 11, 8)
