@@ -31,6 +31,7 @@ from ecomla.convert.to_mla import MLAGeometry, SourceAttention, convert_attentio
 from ecomla.convert.walk import embed, layer_tensors, normalized_input, source_attention
 from ecomla.data.text import token_blocks
 from ecomla.mla.budget import rank_for_ratio
+from ecomla.mla.latent import second_moment
 from ecomla.mla.rope import rope_split
 from ecomla.recipe.schema import knob, recipe_to_dict, save_recipe
 
@@ -109,6 +110,8 @@ def run_recon(recipe: ReconRecipe, *, force: bool = False, progress: bool = True
     geo = MLAGeometry(
         hidden=shape.hidden_size, n_heads=shape.num_heads, n_kv=shape.num_kv_heads, head_dim=shape.head_dim,
         rope_dim=d_r, kv_width=rank, q_rank=None, query_scale=1.0, attention_bias=False,
+        rope_key=recipe.mla.rope_key,
+        interleave=recipe.mla.rope_interleave,
     )
     split = rope_split(recipe.mla.rope_dims, shape.head_dim, d_r, interleave=recipe.mla.rope_interleave)
     h_fit = embed(source.reader, fit_ids)
@@ -123,9 +126,10 @@ def run_recon(recipe: ReconRecipe, *, force: bool = False, progress: bool = True
         ys_held = [normalized_input(h, eps) for h in h_held]
         for n_idx, n in enumerate(counts):
             fitter = make_fitter("activation", y_fit[:n], recipe.ridge, torch.Generator(), 0.0)
-            res = convert_attention(geo, split, kv_only, rank, fitter, None)
+            rope_cov = second_moment(y_fit[:n]) if geo.rope_key == "rorope_act" else None
+            res = convert_attention(geo, split, kv_only, rank, fitter, None, rope_cov)
             for h_idx, y in enumerate(ys_held):
-                errors[n_idx][h_idx].append(kv_errors(geo, split, kv_only, res.tensors, y))
+                errors[n_idx][h_idx].append(kv_errors(geo, split, kv_only, res.tensors, y, res.rope.head_scale))
         layer = runner.build(i, t)
         h_fit = runner.run(layer, h_fit, recipe.batch_size)
         h_held = [runner.run(layer, h, recipe.batch_size) for h in h_held]

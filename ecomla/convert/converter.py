@@ -100,6 +100,8 @@ class Converter:
             q_rank=plan.recipe.mla.q_lora_rank,
             query_scale=self.query_scale,
             attention_bias=plan.attention_bias,
+            rope_key=plan.recipe.mla.rope_key,
+            interleave=plan.recipe.mla.rope_interleave,
         )
 
     # ---- the conversion ----------------------------------------------------------------------------
@@ -146,7 +148,10 @@ class Converter:
                 if geo.q_rank is not None:
                     q_method = "svd" if recipe.init.method == "random" else recipe.init.method
                     q_fitter = make_fitter(q_method, y_fit, recipe.init.ridge, gen, out_cfg.initializer_range)
-                res = convert_attention(geo, splits[i], src, ranks[i], fitter, q_fitter)
+                rope_cov = None
+                if geo.rope_key == "rorope_act":  # the second moment of the key's inputs, [y; 1] with a key bias
+                    rope_cov = latent.second_moment(y_fit if src.k_b is None else torch.cat([y_fit, torch.ones(len(y_fit), 1)], 1))
+                res = convert_attention(geo, splits[i], src, ranks[i], fitter, q_fitter, rope_cov)
                 out_t = {f"self_attn.{k}": v for k, v in res.tensors.items()}
                 out_t["input_layernorm.weight"] = torch.ones(shape.hidden_size)  # gain folded into the projections
                 for k in ("post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"):
@@ -156,14 +161,15 @@ class Converter:
                     writer.add(f"model.layers.{i}.{k}", v)
                 params_after += sum(v.numel() for v in out_t.values())
 
-                entry = {"layer": i, "kv_lora_rank": ranks[i], "kv_weight_energy_kept": res.kv_basis.energy_kept}
+                entry = {"layer": i, "kv_lora_rank": ranks[i], "kv_weight_energy_kept": res.kv_basis.energy_kept,
+                         "rope_key_energy_kept": res.rope.energy_kept}
                 if res.q_basis is not None:
                     entry["q_weight_energy_kept"] = res.q_basis.energy_kept
                 if splits[i].pairs is not None:
                     entry["rope_pairs"] = list(splits[i].pairs)
                 if h_src is not None:
                     y_held = normalized_input(h_src, self.eps)
-                    k_err, v_err = kv_errors(geo, splits[i], src, res.tensors, y_held)
+                    k_err, v_err = kv_errors(geo, splits[i], src, res.tensors, y_held, res.rope.head_scale)
                     entry.update(heldout_key_rel_error=k_err, heldout_value_rel_error=v_err)
                     h_cvt = cvt_runner.run(cvt_runner.build(i, {k: v.float() for k, v in out_t.items()}), h_cvt, self.batch)
                 if h_fit is not None or h_src is not None:

@@ -11,18 +11,21 @@ from ecomla.mla import latent
 from ecomla.mla.rope import RopeSplit
 
 
-def kv_errors(geo: MLAGeometry, split: RopeSplit, src: SourceAttention, tensors: dict, y: torch.Tensor) -> tuple[float, float]:
+def kv_errors(geo: MLAGeometry, split: RopeSplit, src: SourceAttention, tensors: dict, y: torch.Tensor,
+              rope_scale: torch.Tensor | None = None) -> tuple[float, float]:
     """Held-out ‖K−K̂‖/‖K‖ and ‖V−V̂‖/‖V‖ over all query heads, pre-RoPE, in the output's dim order.
 
-    Keys include the RoPE part (the shared key against each head's own); both
-    exclude biases, which the conversion carries exactly.
+    Keys include the RoPE part (the shared key, times the head's RoRoPE factor, against the head's own);
+    both exclude biases, which the conversion carries exactly.
     """
     y = y.double()
     n, nope, d_h, r = geo.n_heads, geo.nope_dim, geo.head_dim, geo.kv_width
     kv_a = tensors["kv_a_proj_with_mqa.weight"].double()
     lat = latent.rms_normalize(y @ kv_a[:r].T)
     kv_hat = (lat @ tensors["kv_b_proj.weight"].double().T).view(-1, n, nope + d_h)
-    kr_hat = (y @ kv_a[r:].T)[:, None].expand(-1, n, -1)
+    kr_hat = (y @ kv_a[r:].T)[:, None].expand(-1, n, -1)  # (N, n_h, d_r): the shared key ...
+    if rope_scale is not None:  # ... as each head's scores see it (RoRoPE scales the query side per KV group)
+        kr_hat = kr_hat * rope_scale.repeat_interleave(geo.n_rep, dim=0)[None].to(kr_hat.dtype)
     kv_true = (y @ kv_rows(geo, split, src, repeat=True).T).view(-1, n, nope + d_h)
     kv_of = torch.arange(n) // geo.n_rep
     kr_true = (y @ src.k_w.view(geo.n_kv, d_h, -1)[:, split.rope_rows].reshape(-1, y.shape[1]).T).view(-1, geo.n_kv, geo.rope_dim)[:, kv_of]

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ecomla.mla.rope import RopeDims
+from ecomla.mla.rope_key import RopeKey
 from ecomla.recipe.schema import knob
 
 
@@ -88,6 +89,12 @@ class MLAConfig:
         True, help="Lay RoPE dims out interleaved, as DeepSeek-V3 checkpoints and serving engines expect"
     )
     energy_multiple: int = knob(8, help="rank_allocation=energy: per-layer ranks are multiples of this")
+    rope_key: RopeKey = knob(
+        "mean",
+        help="The shared RoPE key from the KV heads: mean (X-EcoMLA), rorope (per frequency pair, the head mixing "
+        "that keeps the most key energy, from the weights), rorope_act (the same fitted to calibration key "
+        "activations; needs init.calibration). All agree for a single-KV-head source",
+    )
 
     def check(self) -> list[str]:
         problems = []
@@ -143,6 +150,8 @@ class ConvertRecipe:
             needs.append("init.method=activation")
         if self.mla.rope_dims == "norm":
             needs.append("mla.rope_dims=norm")
+        if self.mla.rope_key == "rorope_act":
+            needs.append("mla.rope_key=rorope_act")
         if needs and self.init.calibration is None:
             problems.append(f"init.calibration: {' and '.join(needs)} need calibration data; set init.calibration.dataset")
         return problems

@@ -13,6 +13,7 @@ a model layer by layer without ever holding all of it.
 
 from __future__ import annotations
 
+import copy
 import importlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -183,6 +184,8 @@ class LayerRunner:
     """Runs decoder layer i of a model family on hidden states (B, T, d), loading its weights on demand."""
 
     def __init__(self, cfg: PretrainedConfig, device: torch.device, dtype: torch.dtype = torch.float32):
+        cfg = copy.deepcopy(cfg)
+        cfg._attn_implementation = "sdpa"  # standalone layers get no dispatch from a model; SDPA is exact and fast
         self.cfg = cfg
         self.device, self.dtype = device, dtype
         self._layer_cls = getattr(family_module(cfg.model_type), f"{FAMILIES[cfg.model_type]}DecoderLayer")

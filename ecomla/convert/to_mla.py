@@ -10,7 +10,7 @@ gain, ‖y‖² ≈ d):
 
   q_proj             rows of W_q·diag(g) per head, reordered [nope rows; RoPE rows],
                      times s_src/s_out when the softmax scales differ
-  kv_a_proj_with_mqa [Q (latent rows, r × d); mean over KV heads of the RoPE rows of W_k]
+  kv_a_proj_with_mqa [Q (latent rows, r × d); the shared RoPE key (mean over KV heads, or RoRoPE)]
   kv_a_layernorm     ones (the up-projection absorbs the norm, see `ecomla.mla.latent`)
   kv_b_proj          B: per query head h, [k_nope_h; v_h] (GQA heads repeated)
   o_proj             unchanged; bias += W_o·b_v (exact: softmax rows sum to one)
@@ -30,6 +30,7 @@ import torch
 
 from ecomla.mla.latent import Basis
 from ecomla.mla.rope import RopeSplit
+from ecomla.mla.rope_key import RopeKey, SharedRopeKey, shared_rope_key
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,8 @@ class MLAGeometry:
     q_rank: int | None  # q_lora_rank (None: full q_proj)
     query_scale: float  # s_src / s_out, folded into the query rows
     attention_bias: bool  # output's attention_bias
+    rope_key: RopeKey = "mean"  # how the shared RoPE key is built from the KV heads (ecomla.mla.rope_key)
+    interleave: bool = True  # output RoPE layout: interleaved pairs, or half-wise
 
     @property
     def nope_dim(self) -> int:
@@ -82,11 +85,20 @@ def _head_rows(n: int, head_dim: int, rows: torch.Tensor) -> torch.Tensor:
     return (torch.arange(n)[:, None] * head_dim + rows[None, :]).reshape(-1)
 
 
-def query_rows(geo: MLAGeometry, split: RopeSplit, src: SourceAttention) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Output query rows (n_h·(nope + d_r), d) and bias, per head [nope; RoPE], scale folded."""
+def query_rows(
+    geo: MLAGeometry, split: RopeSplit, src: SourceAttention, rope_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Output query rows (n_h·(nope + d_r), d) and bias, per head [nope; RoPE], scale folded.
+
+    rope_scale (n_kv, d_r): a factor on the RoPE rows of every query head of each KV group (RoRoPE).
+    """
     idx = _head_rows(geo.n_heads, geo.head_dim, torch.cat([split.nope_rows, split.rope_rows]))
-    w = src.q_w[idx] * geo.query_scale
-    b = None if src.q_b is None else src.q_b.double()[idx] * geo.query_scale
+    factor = torch.full((geo.n_heads, geo.nope_dim + geo.rope_dim), geo.query_scale, dtype=torch.float64)
+    if rope_scale is not None:
+        factor[:, geo.nope_dim :] *= rope_scale.repeat_interleave(geo.n_rep, dim=0)
+    factor = factor.reshape(-1)
+    w = src.q_w[idx] * factor[:, None]
+    b = None if src.q_b is None else src.q_b.double()[idx] * factor
     return w, b
 
 
@@ -104,11 +116,17 @@ def kv_rows(geo: MLAGeometry, split: RopeSplit, src: SourceAttention, *, repeat:
     return torch.cat([k_nope, v], dim=1).reshape(n * (geo.nope_dim + d_h), -1)
 
 
-def rope_key(geo: MLAGeometry, split: RopeSplit, src: SourceAttention) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Shared RoPE key rows (d_r, d) and bias: X-EcoMLA's mean over KV heads."""
-    w = src.k_w.view(geo.n_kv, geo.head_dim, -1)[:, split.rope_rows].mean(0)
-    b = None if src.k_b is None else src.k_b.double().view(geo.n_kv, geo.head_dim)[:, split.rope_rows].mean(0)
-    return w, b
+def output_pairs(geo: MLAGeometry) -> list[tuple[int, int]]:
+    """Row pairs (a, b) inside the d_r RoPE rows that rotate together, in the output layout."""
+    half = geo.rope_dim // 2
+    return [(2 * i, 2 * i + 1) for i in range(half)] if geo.interleave else [(i, i + half) for i in range(half)]
+
+
+def rope_key(geo: MLAGeometry, split: RopeSplit, src: SourceAttention, cov: torch.Tensor | None = None) -> SharedRopeKey:
+    """The shared RoPE key (d_r, d) and bias, and the query-side factors, per `geo.rope_key`."""
+    rows = src.k_w.view(geo.n_kv, geo.head_dim, -1)[:, split.rope_rows]  # (n_kv, d_r, d)
+    bias = None if src.k_b is None else src.k_b.double().view(geo.n_kv, geo.head_dim)[:, split.rope_rows]
+    return shared_rope_key(rows, bias, output_pairs(geo), geo.rope_key, cov)
 
 
 def o_bias(geo: MLAGeometry, src: SourceAttention) -> torch.Tensor | None:
@@ -147,6 +165,7 @@ class LayerResult:
     tensors: dict[str, torch.Tensor]
     kv_basis: Basis
     q_basis: Basis | None
+    rope: SharedRopeKey
 
 
 def convert_attention(
@@ -156,6 +175,7 @@ def convert_attention(
     kv_rank: int,
     fit_kv: LatentFit,
     fit_q: LatentFit | None,
+    rope_cov: torch.Tensor | None = None,
 ) -> LayerResult:
     """Build the stock DeepSeek-V3 attention tensors of one layer."""
     out: dict[str, torch.Tensor] = {}
@@ -164,16 +184,16 @@ def convert_attention(
     # Keys and values through the latent.
     M_kv = kv_rows(geo, split, src, repeat=True)
     kv_basis, kv_up = fit_kv(M_kv, kv_rank, geo.kv_width)
-    kr_w, kr_b = rope_key(geo, split, src)
-    out["kv_a_proj_with_mqa.weight"] = torch.cat([pad_rows(kv_basis.rows, geo.kv_width), kr_w], dim=0)
+    rope = rope_key(geo, split, src, rope_cov)
+    out["kv_a_proj_with_mqa.weight"] = torch.cat([pad_rows(kv_basis.rows, geo.kv_width), rope.weight], dim=0)
     if geo.attention_bias:
-        rope_b = kr_b if kr_b is not None else torch.zeros(geo.rope_dim, dtype=torch.float64)
+        rope_b = rope.bias if rope.bias is not None else torch.zeros(geo.rope_dim, dtype=torch.float64)
         out["kv_a_proj_with_mqa.bias"] = torch.cat([torch.zeros(geo.kv_width, dtype=torch.float64), rope_b])
     out["kv_a_layernorm.weight"] = torch.ones(geo.kv_width, dtype=torch.float64)
     out["kv_b_proj.weight"] = kv_up
 
     # Queries: full, or through their own normalized latent.
-    q_w, q_b = query_rows(geo, split, src)
+    q_w, q_b = query_rows(geo, split, src, rope.head_scale)
     q_basis = None
     if geo.q_rank is None:
         if q_b is not None:
@@ -196,4 +216,4 @@ def convert_attention(
     if geo.attention_bias:
         bias = o_bias(geo, src)
         out["o_proj.bias"] = bias if bias is not None else torch.zeros(d, dtype=torch.float64)
-    return LayerResult(tensors=out, kv_basis=kv_basis, q_basis=q_basis)
+    return LayerResult(tensors=out, kv_basis=kv_basis, q_basis=q_basis, rope=rope)
