@@ -1,0 +1,99 @@
+"""Rebuild the tiny world's model zoo: the base student and its 3x and 8x teachers, with `ecomla pretrain`.
+
+    python scripts/build_tiny_zoo.py                    # the full build (recipes/pretrain/tiny_*.yaml as written)
+    python scripts/build_tiny_zoo.py --quick --out /tmp/zoo   # a smoke run: a few steps per model
+
+Steps, each timed: (1) the tiny world's tokenizer and a corpus dump
+(scripts/build_tiny_world_data.py) into .cache/tinyworld/; (2) `ecomla
+pretrain` of every recipe, one after the other (the base is also the 1x
+teacher, as X-EcoMLA's 1B teacher is its own base); (3) each final checkpoint
+re-saved as bf16 safetensors with the tokenizer into --out/<name>/. A
+build.json beside them records the commands, tokens, parameters and seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = ("base", "teacher-3x", "teacher-8x")
+
+
+def run(cmd: list[str], log: Path) -> float:
+    """Run a command from the repo root, its output to `log`; seconds taken. Fails loudly with the log's end."""
+    t0 = time.time()
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env={**os.environ})
+    if proc.returncode:
+        raise SystemExit(f"failed: {' '.join(cmd)}\n{log.read_text()[-3000:]}")
+    return time.time() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=str(ROOT / "zoo"), help="Where the bf16 checkpoints and build.json go")
+    ap.add_argument("--quick", action="store_true", help="smoke run: small corpus, a few steps per model")
+    ap.add_argument("--corpus-docs", type=int, default=None, help="documents per domain dumped for training")
+    ap.add_argument("--work", default=str(ROOT / ".cache" / "tinyworld"),
+                    help="Tokenizer, corpus dumps, run directories and logs (the recipes read .cache/tinyworld)")
+    args = ap.parse_args()
+    out = Path(args.out)
+    work = Path(args.work).resolve()
+    logs = work / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    py = sys.executable
+    docs = args.corpus_docs or (400 if args.quick else 100_000)
+    timings: dict[str, float] = {}
+    data = [py, "scripts/build_tiny_world_data.py", "--tasks-out", str(work / "tasks-check"),
+            "--tokenizer-out", str(work / "tokenizer")]
+    timings["data"] = run([*data, "--corpus-docs", str(docs), "--corpus-splits", "train",
+                           "--corpus-out", str(work / "corpus" / "train")], logs / "data_train.log")
+    timings["data"] += run([*data, "--corpus-docs", str(max(100, docs // 100)), "--corpus-splits", "heldout",
+                            "--corpus-out", str(work / "corpus" / "heldout")], logs / "data_heldout.log")
+    models = {}
+    for name in MODELS:
+        recipe = f"recipes/pretrain/tiny_{name}.yaml"
+        run_dir = work / "zoo-runs" / name
+        cmd = [str(Path(py).parent / "ecomla"), "pretrain", recipe, "--quiet", "--force", "--set", f"output_dir={run_dir}",
+               "--set", f"tokenizer={work / 'tokenizer'}", "--set", f"data.train.dataset={work / 'corpus' / 'train'}",
+               "--set", f"data.eval.dataset={work / 'corpus' / 'heldout'}"]
+        if args.quick:
+            cmd += ["--set", "data.seq_len=128", "--set", "train.global_batch_tokens=2048", "--set", "train.total_tokens=4096",
+                    "--set", "log.eval_every_steps=0", "--set", "log.eval_batches=1"]
+        timings[name] = run(cmd, logs / f"pretrain_{name}.log")
+        models[name] = export_bf16(run_dir / "final", out / name)
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        models[name].update(tokens=rows[-1]["tokens"], final_ce=rows[-1].get("ce"), eval_ce=rows[-1].get("eval_ce"),
+                            command=" ".join(cmd[1:]), seconds=round(timings[name], 1))
+        print(f"{name}: {models[name]['params'] / 1e6:.2f}M params, {models[name]['tokens']} tokens, "
+              f"{timings[name]:.0f} s, eval CE {models[name]['eval_ce']}", flush=True)
+    build = {"quick": args.quick, "corpus_docs_per_domain": docs, "seconds": {k: round(v, 1) for k, v in timings.items()},
+             "total_seconds": round(sum(timings.values()), 1), "models": models}
+    (out / "build.json").write_text(json.dumps(build, indent=2) + "\n")
+    print(f"zoo built in {build['total_seconds'] / 60:.1f} min -> {out}")
+
+
+def export_bf16(src: Path, dst: Path) -> dict:
+    """Re-save a checkpoint as bf16 safetensors with its tokenizer; returns its size facts."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+    shutil.rmtree(dst, ignore_errors=True)
+    model.save_pretrained(dst)
+    for f in src.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy2(f, dst / f.name)
+    size = sum(f.stat().st_size for f in dst.glob("*.safetensors"))
+    return {"params": sum(p.numel() for p in model.parameters()), "bytes": size}
+
+
+if __name__ == "__main__":
+    main()
