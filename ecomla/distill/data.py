@@ -60,8 +60,10 @@ def open_dataset(src: DataSource, tokenizer, seq_len: int, what: str, output_dir
     """
     if src.prepared is None and output_dir is not None:
         shards = prepared_dir(output_dir, what.split(".")[-1])
-        if (shards / "meta.json").is_file() and _matches(PackedDataset(shards).meta, src, seq_len):
-            return PackedDataset(shards)
+        if (shards / "meta.json").is_file():
+            ds = PackedDataset(shards)
+            if _matches(ds.meta, src, seq_len):
+                return ds
     if src.prepared is not None:
         ds = PackedDataset(src.prepared)
         if ds.seq_len != seq_len:

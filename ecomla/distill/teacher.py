@@ -101,8 +101,8 @@ def write_cache(model, dataset, out_dir: Path, *, k: int, temperature: float, ba
     n = len(dataset)
     mine = list(range(rank, n, world))
     T = dataset.seq_len
-    vocab = model.get_output_embeddings().weight.shape[0] if hasattr(model.get_output_embeddings(), "weight") else None
-    k = min(k, vocab) if vocab else k
+    vocab = int(model.config.vocab_size)
+    k = min(k, vocab)
     arrays = {
         "idx": np.lib.format.open_memmap(out_dir / f"rank_{rank:03d}.idx.npy", mode="w+", dtype=np.int32, shape=(len(mine), T, k)),
         "logp": np.lib.format.open_memmap(out_dir / f"rank_{rank:03d}.logp.npy", mode="w+", dtype=np.float32, shape=(len(mine), T, k)),
@@ -122,5 +122,5 @@ def write_cache(model, dataset, out_dir: Path, *, k: int, temperature: float, ba
         a.flush()
     if rank == 0:
         meta = {"teacher": teacher_name, "topk": k, "temperature": temperature, "world_size": world,
-                "vocab_size": int(vocab) if vocab else None, "dataset": fingerprint(dataset)}
+                "vocab_size": vocab, "dataset": fingerprint(dataset)}
         (out_dir / "meta.json.tmp").write_text(json.dumps(meta, indent=2) + "\n")

@@ -40,6 +40,10 @@ TOKENIZER_FILES = (
 )
 
 
+# safetensors header dtype names -> torch dtypes (the floating ones a checkpoint stores weights in)
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
 class CheckpointError(ValueError):
     """A checkpoint on disk is missing, incomplete or corrupt."""
 
@@ -105,7 +109,7 @@ class CheckpointReader:
                     self._bin.update(torch.load(b, map_location="cpu", weights_only=True, mmap=True))
                 except Exception as err:
                     raise CheckpointError(f"{b}: cannot be read ({err})") from err
-            self._where = {k: b for k, b in ((k, bins[0]) for k in self._bin)}
+            self._where = dict.fromkeys(self._bin, bins[0])  # names only; tensors come from self._bin
         # Open every shard now, so a missing or corrupt file fails before any compute.
         for shard in sorted(set(self._where.values())):
             if self._bin is None:
@@ -154,11 +158,14 @@ class CheckpointReader:
         return t if dtype is None else t.to(dtype)
 
     def stored_dtype(self) -> torch.dtype:
-        """The dtype of the first floating tensor (the checkpoint's storage precision)."""
+        """The dtype of the first floating tensor (the checkpoint's storage precision), read from headers only."""
         for name in sorted(self._where):
-            t = self.get(name, dtype=None)
-            if t.is_floating_point():
-                return t.dtype
+            if self._bin is not None:
+                dtype = self._bin[name].dtype
+            else:
+                dtype = _SAFETENSORS_DTYPES.get(self._open(self._where[name]).get_slice(name).get_dtype())
+            if dtype is not None and dtype.is_floating_point:
+                return dtype
         return torch.float32
 
 

@@ -40,3 +40,10 @@ def test_writer_refuses_existing_and_cleans_up(tmp_path):
             w.add("x", torch.zeros(3))
             raise RuntimeError("boom")
     assert not (tmp_path / "new").exists() and not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+
+
+def test_stored_dtype_from_headers(source_factory, tmp_path):
+    src = source_factory("llama")
+    AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    assert CheckpointReader(src).stored_dtype() == torch.float32
+    assert CheckpointReader(tmp_path / "bf16").stored_dtype() == torch.bfloat16
