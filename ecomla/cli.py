@@ -6,6 +6,9 @@
     ecomla pretrain RECIPE.yaml       (the same loop, CE only, student from student_config)
     ecomla teacher-cache RECIPE.yaml  (top-k teacher log-probs for `teacher.source: cache`)
     ecomla prepare-data RECIPE.yaml   (memory-mapped token shards for `data.*.prepared`)
+    ecomla eval RECIPE.yaml           (lm-eval over a list of models: table, JSON and chart)
+    ecomla report RUN_DIR             (rebuild the table and chart from saved eval results)
+    ecomla run RECIPE.yaml            (the main job: convert -> distill -> eval -> report, stages cached)
 
 Every recipe key, its type, default and meaning is listed by `ecomla <job> --help`.
 Recipe problems are reported all at once, by dotted key, before anything runs.
@@ -86,6 +89,34 @@ def _prepare_data(args: argparse.Namespace) -> None:
     prepare(_distill_recipe(args), force=args.force)
 
 
+def _eval(args: argparse.Namespace) -> None:
+    from ecomla.eval.recipe import EvalRecipe
+    from ecomla.eval.runner import run_eval
+
+    recipe = load_recipe(EvalRecipe, args.recipe, overrides=args.overrides)
+    out = run_eval(recipe, force=args.force, progress=not args.quiet)
+    print((out / "report.md").read_text(), end="")
+    print(f"results, report.json, report.md and chart.png in {out}")
+
+
+def _report(args: argparse.Namespace) -> None:
+    from ecomla.eval.report import markdown, write_report
+
+    summary = write_report(args.run_dir, title=args.title)
+    print(markdown(summary), end="")
+    print(f"report.json, report.md and chart.png rebuilt in {args.run_dir}")
+
+
+def _run(args: argparse.Namespace) -> None:
+    from ecomla.run.pipeline import run
+    from ecomla.run.recipe import RunRecipe
+
+    recipe = load_recipe(RunRecipe, args.recipe, overrides=args.overrides)
+    eval_dir = run(recipe, force=args.force, progress=not args.quiet)
+    print((eval_dir / "report.md").read_text(), end="")
+    print(f"report.md, report.json and chart.png in {eval_dir}")
+
+
 def _recipe_epilog(cls_path: str) -> str:
     module, name = cls_path.rsplit(":", 1)
     cls = getattr(__import__(module, fromlist=[name]), name)
@@ -145,6 +176,42 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=short, description=long, epilog=epilog, formatter_class=fmt)
         _add_recipe_args(p)
         p.set_defaults(func=func)
+    p = sub.add_parser(
+        "eval",
+        help="run an lm-eval suite over a list of models; table, JSON and accuracy-vs-compression chart",
+        description="Evaluate every model of the recipe (local paths or hub names) on a suite from eval/suites/ "
+        "through lm-eval's HFLM and simple_evaluate. Checks every task name and model path before any model runs. "
+        "Writes <output_dir>/results/<model>.json (reused on reruns while the model and settings are unchanged; "
+        "--force recomputes), report.json, report.md and chart.png.",
+        epilog=_recipe_epilog("ecomla.eval.recipe:EvalRecipe"),
+        formatter_class=fmt,
+    )
+    _add_recipe_args(p)
+    p.set_defaults(func=_eval)
+
+    p = sub.add_parser(
+        "report",
+        help="rebuild report.json, report.md and chart.png from an eval run's saved results",
+        description="Read RUN_DIR/results/*.json (from `ecomla eval` or `ecomla run`) and rewrite the table and the "
+        "chart; no model is loaded.",
+    )
+    p.add_argument("run_dir", help="an `ecomla eval` output_dir (or the eval/ directory of an `ecomla run`)")
+    p.add_argument("--title", default=None, help="chart title")
+    p.set_defaults(func=_report)
+
+    p = sub.add_parser(
+        "run",
+        help="the main job: convert the base at several ratios, distill from several teachers, eval, report",
+        description="Convert the base to MLA at every ratio and init, distill each main-init student from every "
+        "teacher in distill_teachers (other inits from baseline_teacher, on the same budget), evaluate the base, the "
+        "teachers and every student, and write <output_dir>/eval/{report.md,report.json,chart.png}. Stages are "
+        "cached by a hash of their resolved recipe and inputs: a rerun reuses finished ones, an edited recipe "
+        "reruns what changed, an interrupted distillation resumes. --force starts the whole run over.",
+        epilog=_recipe_epilog("ecomla.run.recipe:RunRecipe"),
+        formatter_class=fmt,
+    )
+    _add_recipe_args(p)
+    p.set_defaults(func=_run)
     return parser
 
 
@@ -155,10 +222,12 @@ def _errors() -> tuple[type[BaseException], ...]:
     from ecomla.distill.ds_config import DeepSpeedConfigError
     from ecomla.distill.models import ModelSetupError
     from ecomla.distill.trainer import TrainingError
+    from ecomla.eval.report import ReportError
+    from ecomla.eval.runner import EvalError
     from ecomla.io.checkpoint import CheckpointError
 
     return (CliError, RecipeError, PlanError, SourceError, CheckpointError, DataError, FileExistsError,
-            TrainingError, ModelSetupError, DeepSpeedConfigError)
+            TrainingError, ModelSetupError, DeepSpeedConfigError, EvalError, ReportError)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -21,7 +21,7 @@ class TextSource:
 
     dataset: str = knob(
         help="Local .jsonl/.json/.txt/.parquet file or directory (relative to the working directory), "
-        "or a hub dataset name when online"
+        "a hub dataset name when online, or tinyworld:SPLIT[:DOMAIN] (the generated tiny-world corpus)"
     )
     text_field: str = knob("text", help="Field holding the document text (.jsonl/.parquet)")
     split: str = knob("train", help="Split to read from a hub dataset")

@@ -2,7 +2,9 @@
 
 A text source is a local .jsonl/.json/.txt/.parquet file or a directory of
 them, read with Hugging Face `datasets` in streaming mode (nothing is cached),
-or a hub dataset name when the machine is online. `token_blocks` tokenizes
+a hub dataset name when the machine is online, or the tiny world's endless
+generated corpus: `tinyworld:SPLIT` (both domains alternating) or
+`tinyworld:SPLIT:DOMAIN`, SPLIT one of train/calibration/heldout. `token_blocks` tokenizes
 documents in order, joins them with the EOS token and cuts (n, T) blocks.
 """
 
@@ -34,12 +36,33 @@ def _local_files(path: Path) -> tuple[str, list[str]]:
     return builders.pop(), [str(p) for p in files]
 
 
+TINYWORLD = "tinyworld:"
+
+
+def is_endless(dataset: str | None) -> bool:
+    """True for the generated tiny-world streams, which never end (readers must stop on their own)."""
+    return bool(dataset) and dataset.startswith(TINYWORLD)
+
+
+def _tinyworld_rows(dataset: str) -> Iterator[dict]:
+    from ecomla.tinyworld.corpus import DOMAINS, SPLITS, iter_documents, iter_mixed
+
+    parts = dataset[len(TINYWORLD):].split(":")
+    if len(parts) > 2 or parts[0] not in SPLITS or (len(parts) == 2 and parts[1] not in DOMAINS):
+        raise DataError(f"{dataset}: expected tinyworld:SPLIT or tinyworld:SPLIT:DOMAIN with SPLIT one of "
+                        f"{', '.join(SPLITS)} and DOMAIN one of {', '.join(DOMAINS)}")
+    docs = iter_documents(parts[1], parts[0]) if len(parts) == 2 else iter_mixed(parts[0])
+    return ({"text": text} for text in docs)
+
+
 def iter_rows(dataset: str, *, split: str = "train", subset: str | None = None, field: str | None = None) -> Iterator[dict]:
-    """Rows (dicts) of a local or hub dataset, in order; `field` is checked on the first row."""
+    """Rows (dicts) of a local or hub dataset or a tiny-world stream, in order; `field` is checked on the first row."""
     import datasets
 
     path = Path(dataset).expanduser()
-    if path.exists():
+    if is_endless(dataset):
+        ds = _tinyworld_rows(dataset)
+    elif path.exists():
         builder, files = _local_files(path)
         ds = datasets.load_dataset(builder, data_files=files, split="train", streaming=True)
     else:

@@ -21,7 +21,8 @@ class DataSource:
 
     prepared: str | None = knob(None, help="Directory written by `ecomla prepare-data` (memory-mapped shards)")
     dataset: str | None = knob(
-        None, help="Local .jsonl/.json/.txt/.parquet file or directory, or a hub dataset name (tokenized at start-up)"
+        None, help="Local .jsonl/.json/.txt/.parquet file or directory, a hub dataset name, or tinyworld:SPLIT"
+        "[:DOMAIN] (the generated tiny-world corpus; needs max_documents); tokenized at start-up"
     )
     text_field: str = knob("text", help="Field with the text (format=text)")
     messages_field: str = knob("messages", help="Field with the chat messages (format=chat)")
@@ -33,8 +34,12 @@ class DataSource:
     max_documents: int | None = knob(None, help="Read at most this many documents (null: all)")
 
     def check(self) -> list[str]:
+        from ecomla.data.text import is_endless
+
         if (self.prepared is None) == (self.dataset is None):
             return ["prepared: set exactly one of prepared and dataset"]
+        if is_endless(self.dataset) and self.max_documents is None:
+            return [f"max_documents: {self.dataset} is an endless generated stream; set how many documents to read"]
         return []
 
 

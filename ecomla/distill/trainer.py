@@ -238,7 +238,8 @@ class DistillRun:
             save_recipe(r, self.out / "ecomla_recipe.yaml")
         metrics_path = self.out / "metrics.jsonl"
         logger = RunLog(self.out, r.log, dist.is_main, start_step)
-        bar = tqdm(total=self.total_steps, initial=start_step, desc="distill", unit="step",
+        bar = tqdm(total=self.total_steps, initial=start_step, unit="step",
+                   desc="distill" if r.teacher.source != "none" else "pretrain",
                    disable=not (self.progress and dist.is_main))
         tokens_per_step = r.train.global_batch_tokens
         last = {"step": start_step, "tokens": start_step * tokens_per_step}  # resumed at the very end: nothing to run

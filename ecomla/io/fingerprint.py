@@ -1,0 +1,37 @@
+"""Fingerprints of checkpoints and files: what a cached result was computed from.
+
+Small files (≤ 64 MiB, e.g. every file of a tiny-world model, configs and
+tokenizers) are hashed by content, so a fresh clone or a copy gets the same
+fingerprint. Larger files (real weights) are fingerprinted by name, size and
+modification time, which is cheap and changes whenever a file is rewritten.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+CONTENT_HASH_LIMIT = 64 << 20
+
+
+def file_fingerprint(path: Path) -> str:
+    st = path.stat()
+    if st.st_size > CONTENT_HASH_LIMIT:
+        return f"{st.st_size}:{st.st_mtime_ns}"
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def path_fingerprint(path: str | Path) -> str:
+    """One hash over a file or every file under a directory (names included, __pycache__ not); a non-path stands for itself."""
+    p = Path(path)
+    if not p.exists():
+        return f"name:{path}"  # a hub name
+    files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file() and "__pycache__" not in f.parts)
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f"{f.relative_to(p) if f != p else f.name}\0{file_fingerprint(f)}\n".encode())
+    return h.hexdigest()[:16]
