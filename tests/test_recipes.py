@@ -11,10 +11,13 @@ from ecomla.analyze.recon import ReconRecipe
 from ecomla.cli import PRETRAIN_DEFAULTS
 from ecomla.convert.recipe import ConvertRecipe
 from ecomla.distill.recipe import DistillRecipe
+from ecomla.eval.recipe import EvalRecipe
 from ecomla.recipe.schema import load_recipe
+from ecomla.run.recipe import RunRecipe
 
 ROOT = Path(__file__).resolve().parents[1]
-SCHEMAS = {"convert": ConvertRecipe, "analyze": ReconRecipe, "distill": DistillRecipe, "pretrain": DistillRecipe}
+SCHEMAS = {"convert": ConvertRecipe, "analyze": ReconRecipe, "distill": DistillRecipe, "pretrain": DistillRecipe,
+           "eval": EvalRecipe, "run": RunRecipe}
 OVERRIDES = {"pretrain": PRETRAIN_DEFAULTS}  # `ecomla pretrain` loads the distill schema with CE-only settings
 RECIPES = sorted((ROOT / "recipes").rglob("*.yaml"))
 
@@ -25,9 +28,18 @@ def test_there_are_recipes():
 
 @pytest.mark.parametrize("path", RECIPES, ids=[str(p.relative_to(ROOT / "recipes")) for p in RECIPES])
 def test_recipe_loads(path):
-    job = path.relative_to(ROOT / "recipes").parts[0]
+    parts = path.relative_to(ROOT / "recipes").parts
+    job = parts[0] if len(parts) > 1 else "run"  # recipes/*.yaml are `ecomla run` main jobs
     assert job in SCHEMAS, f"no schema registered for recipes/{job}/"
-    load_recipe(SCHEMAS[job], path, overrides=OVERRIDES.get(job, ()))
+    recipe = load_recipe(SCHEMAS[job], path, overrides=OVERRIDES.get(job, ()))
+    if job == "run":  # its convert / distill / eval sections validate as the recipes they become
+        from ecomla.run.pipeline import eval_recipe, plan
+
+        eval_recipe(recipe, plan(recipe))
+    if job == "eval":
+        from ecomla.eval.recipe import load_suite
+
+        load_suite(recipe.suite)
     text = path.read_text()
     header = "\n".join(line for line in text.splitlines() if line.startswith("#"))
     assert f"ecomla {job}" in header or f"ecomla.{job}" in header, "launch command in the header comment"

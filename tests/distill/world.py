@@ -93,9 +93,11 @@ def errors(proc: subprocess.CompletedProcess) -> str:
     return "\n".join(rank0[-60:]) if rank0 else proc.stderr[-3000:]
 
 
-def run_and_kill(recipe_path: Path, procs: int, metrics: Path, after_steps: int, timeout: int = 600) -> None:
-    """Start a run and SIGKILL its whole process group once `after_steps` steps are logged."""
-    proc = subprocess.Popen(command(recipe_path, procs), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+def run_and_kill(recipe_path: Path, procs: int, metrics: Path, after_steps: int, timeout: int = 600,
+                 cmd: list[str] | None = None) -> None:
+    """Start a run (`ecomla distill`, or `cmd`) and SIGKILL its whole process tree once `metrics` has
+    `after_steps` lines."""
+    proc = subprocess.Popen(cmd or command(recipe_path, procs), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             env=env(), start_new_session=True)
     deadline = time.time() + timeout
     try:

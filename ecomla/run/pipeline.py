@@ -1,0 +1,199 @@
+"""`ecomla run`: convert → distill → eval → report, with every stage cached by a hash of what it computes.
+
+Stages, in order:
+  convert   one per (ratio, init): the base converted to MLA, no training;
+  distill   one per ratio and teacher in distill_teachers for the main init,
+            and one per ratio from baseline_teacher for every other init;
+  eval      every model (base, teachers, converted and distilled students)
+            through `ecomla eval` (results reused per model);
+  report    the table and the chart (`ecomla report <output_dir>/eval`).
+
+A stage's key hashes its resolved sub-recipe (output paths left out) and the
+fingerprints of its inputs (the source checkpoint's files, the teacher's, the
+upstream stage's key, the training data). Its outputs live in
+<output_dir>/stages/<label>-<key>/ and count as finished once stage.json is
+written there. So a rerun reuses finished stages, an edited recipe reruns only
+the stages whose key changed (and what depends on them), and an interrupted
+distillation resumes from its last checkpoint (same key, same directory).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ecomla.io.fingerprint import path_fingerprint
+from ecomla.mla.budget import format_ratio
+from ecomla.recipe.schema import RecipeError, load_recipe, recipe_to_dict, save_recipe
+from ecomla.run.recipe import RunRecipe
+
+
+@dataclass
+class Stage:
+    kind: str  # convert | distill
+    label: str
+    recipe: Any  # ConvertRecipe | DistillRecipe
+    key: str
+    dir: Path
+    info: dict = field(default_factory=dict)  # ratio, init, teacher
+
+    @property
+    def done_file(self) -> Path:
+        return self.dir / "stage.json"
+
+    @property
+    def model_dir(self) -> Path:
+        return self.dir / ("model" if self.kind == "convert" else "run/final")
+
+    def done(self) -> bool:
+        if not self.done_file.is_file():
+            return False
+        try:
+            return json.loads(self.done_file.read_text()).get("key") == self.key
+        except json.JSONDecodeError:
+            return False
+
+
+def _set(d: dict, dotted: str, value: Any) -> None:
+    *heads, last = dotted.split(".")
+    for h in heads:
+        d = d.setdefault(h, {})
+    d[last] = value
+
+
+def _digest(*parts: Any) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def _sub_recipe(cls: type, section: str, body: dict, fills: dict[str, Any]):
+    data = copy.deepcopy(body)
+    for k, v in fills.items():
+        _set(data, k, v)
+    try:
+        return load_recipe(cls, data=data)
+    except RecipeError as err:
+        raise RecipeError([f"{section}.{p}" for p in err.problems], err.source) from None
+
+
+def _data_fingerprints(distill) -> list[str]:
+    out = []
+    for src in (distill.data.train, distill.data.eval):
+        if src is not None:
+            out.append(path_fingerprint(src.prepared or src.dataset))
+    return out
+
+
+def plan(recipe: RunRecipe) -> list[Stage]:
+    """Every convert and distill stage, resolved and keyed; recipe problems raise before anything runs."""
+    from ecomla.convert.recipe import ConvertRecipe
+    from ecomla.distill.recipe import DistillRecipe
+
+    out = Path(recipe.output_dir) / "stages"
+    base_fp = path_fingerprint(recipe.base)
+    stages: list[Stage] = []
+    converted: dict[tuple[float, str], Stage] = {}
+    for ratio in recipe.ratios:
+        for init in recipe.inits:
+            label = f"convert-{format_ratio(ratio)}-{init}"
+            fills = {"model": recipe.base, "output_dir": "", "mla.target_compression": ratio, "init.method": init}
+            sub = _sub_recipe(ConvertRecipe, "convert", recipe.convert, fills)
+            key = _digest("convert", recipe_to_dict(sub), base_fp)
+            stage = Stage("convert", label, sub, key, out / f"{label}-{key}", {"ratio": ratio, "init": init})
+            sub.output_dir = str(stage.model_dir)
+            stages.append(stage)
+            converted[ratio, init] = stage
+    for ratio in recipe.ratios:
+        for init in recipe.inits:
+            teachers = recipe.distill_teachers if init == recipe.main_init else [recipe.baseline]
+            for teacher in teachers:
+                src = converted[ratio, init]
+                label = f"distill-{format_ratio(ratio)}-{init}-{teacher}"
+                fills = {"student": str(src.model_dir), "teacher.model": recipe.teachers[teacher], "output_dir": ""}
+                sub = _sub_recipe(DistillRecipe, "distill", recipe.distill, fills)
+                as_dict = recipe_to_dict(sub)
+                as_dict.pop("student")
+                key = _digest("distill", as_dict, src.key, path_fingerprint(recipe.teachers[teacher]),
+                              _data_fingerprints(sub))
+                stage = Stage("distill", label, sub, key, out / f"{label}-{key}",
+                              {"ratio": ratio, "init": init, "teacher": teacher, "after": src.label})
+                sub.output_dir = str(stage.dir / "run")
+                stages.append(stage)
+    return stages
+
+
+def _run_stage(stage: Stage, progress: bool) -> None:
+    stage.dir.mkdir(parents=True, exist_ok=True)
+    if stage.kind == "convert":
+        from ecomla.convert.converter import Converter
+        from ecomla.convert.plan import make_plan
+
+        # The converter writes atomically: a half-done conversion leaves nothing, so start over.
+        Converter(make_plan(stage.recipe, force=True), force=True, progress=progress).run()
+    else:
+        from ecomla.distill.trainer import run as distill
+
+        distill(stage.recipe, force=False, progress=progress)  # resumes from run/checkpoints/latest if interrupted
+
+
+def eval_models(recipe: RunRecipe, stages: list[Stage]) -> list[dict]:
+    """The eval recipe's model list: base, teachers (the base's own path once), converted and distilled students."""
+    models = [{"name": "base", "path": recipe.base, "role": "base"}]
+    for name, path in recipe.teachers.items():
+        if path != recipe.base:
+            models.append({"name": name, "path": path, "role": "teacher"})
+    for s in stages:
+        entry = {"name": s.label.removeprefix("distill-"), "path": str(s.model_dir), "role": "student",
+                 "init": s.info["init"]}
+        if s.kind == "convert":
+            entry.update(stage="converted")
+        else:
+            entry.update(stage="distilled", teacher=s.info["teacher"])
+        models.append(entry)
+    return models
+
+
+def eval_recipe(recipe: RunRecipe, stages: list[Stage]):
+    """The `ecomla eval` recipe of the run's eval stage."""
+    from ecomla.eval.recipe import EvalRecipe
+
+    return _sub_recipe(EvalRecipe, "eval", recipe.eval, {"models": eval_models(recipe, stages),
+                                                        "output_dir": str(Path(recipe.output_dir) / "eval")})
+
+
+def run(recipe: RunRecipe, *, force: bool = False, progress: bool = True) -> Path:
+    """Run (or reuse) every stage, then eval and report; returns the eval directory."""
+    from ecomla.eval.runner import run_eval
+
+    stages = plan(recipe)
+    evaluation = eval_recipe(recipe, stages)
+    out = Path(recipe.output_dir)
+    eval_dir = Path(evaluation.output_dir)
+    if force and out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_recipe(recipe, out / "run_recipe.yaml")
+    total = len(stages) + 1
+    t_run = time.time()
+    for i, stage in enumerate(stages, 1):
+        what = f"[{i}/{total}] {stage.label}"
+        if stage.done():
+            print(f"{what}: reused ({stage.dir.name})", flush=True)
+            continue
+        print(f"{what}: running -> {stage.dir}", flush=True)
+        t0 = time.time()
+        _run_stage(stage, progress)
+        seconds = round(time.time() - t0, 1)
+        stage.done_file.write_text(json.dumps({"key": stage.key, "label": stage.label, "seconds": seconds,
+                                               **stage.info}, indent=2) + "\n")
+        print(f"{what}: done in {seconds:.0f} s", flush=True)
+    print(f"[{total}/{total}] eval of {len(evaluation.models)} models -> {eval_dir}", flush=True)
+    t0 = time.time()
+    run_eval(evaluation, progress=progress)
+    print(f"[{total}/{total}] eval done in {time.time() - t0:.0f} s; whole run {time.time() - t_run:.0f} s", flush=True)
+    return eval_dir

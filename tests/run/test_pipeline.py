@@ -1,0 +1,129 @@
+"""`ecomla run`: the stage plan, its keys, and the stage cache (reuse, rerun what changed, resume)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ecomla.recipe.schema import RecipeError, load_recipe
+from ecomla.run.pipeline import plan, run
+from ecomla.run.recipe import RunRecipe
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def world(source_factory, corpus_dir, tmp_path) -> dict:
+    base = source_factory(name="base", max_position_embeddings=1024)
+    teacher = source_factory(name="teacher", seed=3, hidden_size=96, num_hidden_layers=3,
+                             max_position_embeddings=1024)
+    suite = {"name": "t", "include_path": str(ROOT / "eval" / "tasks" / "tinyworld"),
+             "tasks": [{"task": "tinyworld_recall"}]}
+    (tmp_path / "suite.yaml").write_text(yaml.safe_dump(suite))
+    return {"base": base, "teacher": teacher, "corpus": corpus_dir, "suite": tmp_path / "suite.yaml"}
+
+
+def run_recipe(world: dict, out: Path, **changes) -> RunRecipe:
+    data = {
+        "output_dir": str(out),
+        "base": str(world["base"]),
+        "teachers": {"self": str(world["base"]), "big": str(world["teacher"])},
+        "ratios": [2.0, 4.0],
+        "inits": ["svd", "random"],
+        "distill_teachers": ["big"],
+        "convert": {"mla": {"qk_rope_head_dim": 8}, "dtype": "float32", "device": "cpu"},
+        "distill": {
+            "data": {"train": {"dataset": str(world["corpus"] / "a_fit.jsonl")}, "seq_len": 64},
+            "train": {"total_tokens": 256 * 3, "global_batch_tokens": 256, "micro_batch_size": 2, "lr": 1e-3,
+                      "warmup_ratio": 0.0, "precision": "fp32"},
+            "deepspeed": {"zero_stage": 0},
+            "checkpoint": {"every_steps": 1},
+        },
+        "eval": {"suite": str(world["suite"]), "limit": 2, "batch_size": 8},
+    }
+    data.update(changes)
+    return load_recipe(RunRecipe, data=data)
+
+
+def test_plan_stages_and_keys(world, tmp_path):
+    stages = plan(run_recipe(world, tmp_path / "r"))
+    labels = [s.label for s in stages]
+    assert labels == ["convert-2x-svd", "convert-2x-random", "convert-4x-svd", "convert-4x-random",
+                      "distill-2x-svd-big", "distill-2x-random-big", "distill-4x-svd-big", "distill-4x-random-big"]
+    again = plan(run_recipe(world, tmp_path / "elsewhere"))
+    assert [s.key for s in stages] == [s.key for s in again]  # keys do not depend on where the run lives
+    changed = plan(run_recipe(world, tmp_path / "r", distill={**run_recipe(world, tmp_path).distill,
+                                                              "train": {"total_tokens": 256 * 4,
+                                                                        "global_batch_tokens": 256,
+                                                                        "micro_batch_size": 2,
+                                                                        "precision": "fp32"}}))
+    same = [a.key == b.key for a, b in zip(stages, changed)]
+    assert same == [True] * 4 + [False] * 4  # a distill edit keeps every conversion
+    assert stages[4].recipe.student == str(stages[0].model_dir)
+    assert stages[4].recipe.teacher.model == str(world["teacher"])
+
+
+def test_recipe_problems(world, tmp_path):
+    with pytest.raises(RecipeError) as err:
+        run_recipe(world, tmp_path / "r", ratios=[0.5], distill_teachers=["huge"], inits=["svd", "pca"],
+                   convert={"model": "x"})
+    text = str(err.value)
+    assert "ratios" in text and "'huge' is not a key of teachers" in text and "'pca'" in text
+    assert "convert.model: set by `ecomla run`" in text
+    bad = run_recipe(world, tmp_path / "r", convert={"mla": {"qk_rope_head_dim": 8, "rank": 3}})
+    with pytest.raises(RecipeError, match=r"convert\.mla\.rank: unknown key"):
+        plan(bad)
+
+
+@pytest.mark.slow
+def test_run_reuses_stages_and_reruns_only_what_changed(world, tmp_path, capsys):
+    out = tmp_path / "r"
+    recipe = run_recipe(world, out, ratios=[4.0], inits=["svd"])
+    eval_dir = run(recipe, progress=False)
+    first = capsys.readouterr().out
+    assert first.count(": done in") == 2  # one conversion, one distillation
+    results = json.loads((eval_dir / "report.json").read_text())
+    names = [m["name"] for m in results["models"]]
+    assert names == ["base", "big", "convert-4x-svd", "4x-svd-big"]
+    distilled = next(m for m in results["models"] if m["name"] == "4x-svd-big")
+    assert distilled["kv"]["compression"] == 4.0 and distilled["teacher"] == "big" and distilled["kv"]["match"]
+    stamps = {p: p.stat().st_mtime_ns for p in (eval_dir / "results").glob("*.json")}
+
+    run(recipe, progress=False)  # nothing changed: every stage and every eval result reused
+    assert capsys.readouterr().out.count(": reused") == 2
+    assert {p: p.stat().st_mtime_ns for p in (eval_dir / "results").glob("*.json")} == stamps
+
+    edited = run_recipe(world, out, ratios=[4.0], inits=["svd"],
+                        distill={**recipe.distill, "train": {**recipe.distill["train"], "lr": 5e-4}})
+    run(edited, progress=False)
+    log = capsys.readouterr().out
+    assert "convert-4x-svd: reused" in log and "distill-4x-svd-big: done in" in log
+    after = {p.name: p.stat().st_mtime_ns for p in (eval_dir / "results").glob("*.json")}
+    assert after["4x-svd-big.json"] != stamps[eval_dir / "results" / "4x-svd-big.json"]
+    assert after["base.json"] == stamps[eval_dir / "results" / "base.json"]
+
+
+@pytest.mark.slow
+def test_an_interrupted_distillation_resumes(world, tmp_path, capsys):
+    from ecomla.recipe.schema import save_recipe
+    from tests.distill.world import BIN, run_and_kill
+
+    out = tmp_path / "r"
+    recipe = run_recipe(world, out, ratios=[4.0], inits=["svd"])
+    recipe.distill["train"]["total_tokens"] = 256 * 8
+    path = tmp_path / "run.yaml"
+    save_recipe(recipe, path)
+    distill_stage = plan(recipe)[1]
+    metrics = Path(distill_stage.recipe.output_dir) / "metrics.jsonl"
+    # `ecomla run` killed (SIGKILL, the whole process tree) once the distillation has logged 3 of its 8 steps.
+    run_and_kill(path, 1, metrics, after_steps=3, cmd=[str(BIN / "ecomla"), "run", str(path), "--quiet"])
+    assert not distill_stage.done_file.exists()
+    run(recipe, progress=False)
+    log = capsys.readouterr().out
+    assert "convert-4x-svd: reused" in log and "distill-4x-svd-big: running" in log
+    assert "resumed from" in log
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert steps[-1] == 8 and len(steps) < 8 + 3  # continued from a checkpoint, not from step 0
