@@ -2,7 +2,8 @@
 
 The formula is the converter's own (ecomla.mla.budget): a Llama/Mistral/Qwen2
 model caches 2·n_kv·d_h numbers per token and layer, a stock DeepSeek-V3 (MLA)
-model caches kv_lora_rank + qk_rope_head_dim. The measurement runs `generate`
+model caches kv_lora_rank + qk_rope_head_dim, an LRKV model 2·(d_h + n_h·r)
+(ecomla.lrkv.configuration). The measurement runs `generate`
 on a short prompt and adds up the bytes of every tensor the returned cache
 holds, so a cache that stored more than the design needs would show up as a
 mismatch instead of being hidden by the formula.
@@ -23,6 +24,10 @@ def kv_elements_per_token(cfg: Mapping) -> int:
     """Numbers cached per token, summed over layers, for a config dict (Llama-family or DeepSeek-V3)."""
     if cfg.get("model_type") in MLA_TYPES:
         return int(cfg["num_hidden_layers"]) * mla_elements(int(cfg["kv_lora_rank"]), int(cfg["qk_rope_head_dim"]))
+    if cfg.get("model_type") == "lrkv":
+        heads = int(cfg["num_attention_heads"])
+        head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+        return int(cfg["num_hidden_layers"]) * 2 * (head_dim + heads * int(cfg["lrkv_rank"]))
     shape = AttentionShape.from_config(cfg)
     return shape.num_layers * shape.kv_elements
 
