@@ -15,6 +15,11 @@ upstream stage's key, the training data). Its outputs live in
 written there. So a rerun reuses finished stages, an edited recipe reruns only
 the stages whose key changed (and what depends on them), and an interrupted
 distillation resumes from its last checkpoint (same key, same directory).
+
+Under a launcher (`deepspeed --module ecomla.run`, `torchrun -m ecomla.run`)
+every rank takes part in the distillations; rank 0 alone converts (the
+others wait) and evaluates (the others exit after the last distillation).
+The run directory must be on a file system all ranks share.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import os
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -174,26 +180,45 @@ def run(recipe: RunRecipe, *, force: bool = False, progress: bool = True) -> Pat
     evaluation = eval_recipe(recipe, stages)
     out = Path(recipe.output_dir)
     eval_dir = Path(evaluation.output_dir)
-    if force and out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
-    save_recipe(recipe, out / "run_recipe.yaml")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:  # launched by deepspeed / torchrun: every rank distills, rank 0 alone converts and evaluates
+        from ecomla.distill.runtime import barrier, init_distributed
+
+        is_main = init_distributed().is_main
+    else:
+        is_main, barrier = True, (lambda: None)
+
+    def say(msg: str) -> None:
+        if is_main:
+            print(msg, flush=True)
+
+    if is_main:
+        if force and out.exists():
+            shutil.rmtree(out)
+        out.mkdir(parents=True, exist_ok=True)
+        save_recipe(recipe, out / "run_recipe.yaml")
+    barrier()
     total = len(stages) + 1
     t_run = time.time()
     for i, stage in enumerate(stages, 1):
         what = f"[{i}/{total}] {stage.label}"
         if stage.done():
-            print(f"{what}: reused ({stage.dir.name})", flush=True)
+            say(f"{what}: reused ({stage.dir.name})")
             continue
-        print(f"{what}: running -> {stage.dir}", flush=True)
+        say(f"{what}: running -> {stage.dir}")
         t0 = time.time()
-        _run_stage(stage, progress)
+        if is_main or stage.kind == "distill":
+            _run_stage(stage, progress and is_main)
         seconds = round(time.time() - t0, 1)
-        stage.done_file.write_text(json.dumps({"key": stage.key, "label": stage.label, "seconds": seconds,
-                                               **stage.info}, indent=2) + "\n")
-        print(f"{what}: done in {seconds:.0f} s", flush=True)
-    print(f"[{total}/{total}] eval of {len(evaluation.models)} models -> {eval_dir}", flush=True)
+        if is_main:
+            stage.done_file.write_text(json.dumps({"key": stage.key, "label": stage.label, "seconds": seconds,
+                                                   **stage.info}, indent=2) + "\n")
+        barrier()
+        say(f"{what}: done in {seconds:.0f} s")
+    if not is_main:
+        return eval_dir  # the other ranks' part ends with the last distillation
+    say(f"[{total}/{total}] eval of {len(evaluation.models)} models -> {eval_dir}")
     t0 = time.time()
     run_eval(evaluation, progress=progress)
-    print(f"[{total}/{total}] eval done in {time.time() - t0:.0f} s; whole run {time.time() - t_run:.0f} s", flush=True)
+    say(f"[{total}/{total}] eval done in {time.time() - t0:.0f} s; whole run {time.time() - t_run:.0f} s")
     return eval_dir
