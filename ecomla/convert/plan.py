@@ -58,13 +58,22 @@ def pick_device(name: str) -> torch.device:
     return dev
 
 
-def make_plan(recipe: ConvertRecipe, *, force: bool = False) -> ConversionPlan:
+def output_problems(recipe: ConvertRecipe, *, force: bool) -> list[str]:
+    """The output directory checks every target runs first, before opening the source."""
     out = Path(recipe.output_dir)
     problems = []
     if out.exists() and not force:
         problems.append(f"output_dir: {out} already exists; pass --force to replace it")
     if out.resolve() == Path(recipe.model).expanduser().resolve():
         problems.append("output_dir: must differ from model (the source would be overwritten)")
+    return problems
+
+
+def make_plan(recipe: ConvertRecipe, *, force: bool = False) -> ConversionPlan:
+    if recipe.target != "mla":
+        what = f"target: {recipe.target} is converted by ecomla.convert.targets.convert_target, not the MLA converter"
+        raise PlanError([what])
+    problems = output_problems(recipe, force=force)
     if problems:  # cheap checks first, before opening the source
         raise PlanError(problems)
 
@@ -101,18 +110,20 @@ def make_plan(recipe: ConvertRecipe, *, force: bool = False) -> ConversionPlan:
             f"mla.q_lora_rank: this {source.family} source has a query bias, which the stock full q_proj cannot "
             f"hold; set mla.q_lora_rank (hidden_size + 1 = {shape.hidden_size + 1} keeps the query exact)"
         )
-    if recipe.dtype != "auto":
-        out_dtype = DTYPES[recipe.dtype]
-    else:
-        out_dtype = source.reader.stored_dtype()
-    try:
-        device = pick_device(recipe.device)
-    except PlanError as err:
-        problems.extend(err.problems)
-        device = torch.device("cpu")
+    out_dtype, device = dtype_and_device(recipe, source, problems)
     if problems:
         raise PlanError(problems)
     return ConversionPlan(recipe, source, d_r, kv_rank, out_dtype, device)
+
+
+def dtype_and_device(recipe: ConvertRecipe, source, problems: list[str]) -> tuple[torch.dtype, torch.device]:
+    """The output dtype (auto: the source's stored one) and the compute device; device problems go to `problems`."""
+    out_dtype = DTYPES[recipe.dtype] if recipe.dtype != "auto" else source.reader.stored_dtype()
+    try:
+        return out_dtype, pick_device(recipe.device)
+    except PlanError as err:
+        problems.extend(err.problems)
+        return out_dtype, torch.device("cpu")
 
 
 def source_inv_freq(plan: ConversionPlan) -> torch.Tensor:

@@ -1,8 +1,10 @@
-"""The `ecomla convert` recipe: what to convert, to which MLA shape, initialized how.
+"""The `ecomla convert` recipe: what to convert, to which attention (MLA, GQA/MQA, LRKV), initialized how.
 
 Every key is documented here and printed by `ecomla convert --help`. Checks
 that need the source checkpoint (r_kv against the hidden size, d_r against
-the head dim) run in `ecomla.convert.plan` before anything is computed.
+the head dim, KV groups against the query heads, the LRKV rank against the
+head dim) run in `ecomla.convert.plan` and `ecomla.convert.targets` before
+anything is computed.
 """
 
 from __future__ import annotations
@@ -130,13 +132,56 @@ class InitConfig:
 
 
 @dataclass
+class GQAConfig:
+    """target gqa: how many key/value heads the output keeps."""
+
+    num_key_value_heads: int = knob(
+        help="KV heads g of the output; must divide the source's query heads. Query head h reads KV head "
+        "h // (n_h/g); each KV head is the mean of the source K/V heads its query heads read (exact when g is a "
+        "multiple of the source's KV heads)"
+    )
+
+    def check(self) -> list[str]:
+        if self.num_key_value_heads < 1:
+            return [f"num_key_value_heads: must be >= 1, got {self.num_key_value_heads}"]
+        return []
+
+
+@dataclass
+class LRKVTargetConfig:
+    """target lrkv: the residual rank of the LRKV model written (its model config is ecomla.lrkv.LrkvConfig)."""
+
+    rank: int = knob(
+        help="r, the rank of each query head's K and V residual around the shared mean head; "
+        "1..min(hidden, head_dim), exact at min(hidden, head_dim). The cache holds 2·(d_h + n_h·r) numbers per "
+        "token and layer"
+    )
+
+    def check(self) -> list[str]:
+        if self.rank < 1:
+            return [f"rank: must be >= 1, got {self.rank}"]
+        return []
+
+
+@dataclass
 class ConvertRecipe:
-    """`ecomla convert`: a Llama/Mistral/Qwen2 checkpoint to a stock DeepseekV3ForCausalLM checkpoint."""
+    """`ecomla convert`: a Llama/Mistral/Qwen2 checkpoint to stock DeepSeek-V3 MLA, fewer KV heads or LRKV."""
 
     model: str = knob(help="Source checkpoint: a local directory, or a hub name when online")
     output_dir: str = knob(help="Where the converted checkpoint is written (must not exist unless --force)")
-    mla: MLAConfig = knob(default_factory=MLAConfig, help="MLA shape")
-    init: InitConfig = knob(default_factory=InitConfig, help="Initialization of the latent projections")
+    target: Literal["mla", "gqa", "mqa", "lrkv"] = knob(
+        "mla",
+        help="Attention of the output. mla: stock DeepseekV3ForCausalLM (reads mla, init). gqa: the source's own "
+        "class with gqa.num_key_value_heads KV heads, mean-pooled. mqa: gqa with one KV head. lrkv: "
+        "LrkvForCausalLM, each head's K/V = shared mean head + rank lrkv.rank SVD residual. gqa/mqa/lrkv need no "
+        "data, keep every other weight unchanged, and refuse mla/init sections that differ from the defaults",
+    )
+    mla: MLAConfig = knob(default_factory=MLAConfig, help="MLA shape (target mla only)")
+    init: InitConfig = knob(
+        default_factory=InitConfig, help="Initialization of the latent projections (target mla only)"
+    )
+    gqa: GQAConfig | None = knob(None, help="Target gqa only: the KV heads to keep (required there)")
+    lrkv: LRKVTargetConfig | None = knob(None, help="Target lrkv only: the residual rank (required there)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = knob(
         "auto", help="Output weight dtype; auto keeps the source's"
     )
@@ -144,7 +189,9 @@ class ConvertRecipe:
     seed: int = knob(0, help="Seed for method=random")
 
     def check(self) -> list[str]:
-        problems = []
+        problems = self._target_problems()
+        if self.target != "mla":
+            return problems  # mla/init are not read; _target_problems refused them if they were changed
         needs = []
         if self.init.method == "activation":
             needs.append("init.method=activation")
@@ -154,4 +201,26 @@ class ConvertRecipe:
             needs.append("mla.rope_key=rorope_act")
         if needs and self.init.calibration is None:
             problems.append(f"init.calibration: {' and '.join(needs)} need calibration data; set init.calibration.dataset")
+        return problems
+
+    def _target_problems(self) -> list[str]:
+        """Each section belongs to one target: required there, refused elsewhere.
+
+        `mla` and `init` always exist (they have defaults), so for the other targets a section counts
+        as set when it differs from its defaults; one set to exactly the defaults is ignored.
+        """
+        problems = []
+        for section, key in (("gqa", "num_key_value_heads"), ("lrkv", "rank")):  # each read by its own target
+            given = getattr(self, section) is not None
+            if self.target == section and not given:
+                problems.append(f"{section}: target {section} needs this section; set {section}.{key}")
+            elif given and self.target != section:
+                hint = "; mqa always keeps one KV head" if self.target == "mqa" and section == "gqa" else ""
+                problems.append(f"{section}: only target {section} reads this section, but target is "
+                                f"{self.target}; remove it{hint}")
+        if self.target != "mla":
+            if self.mla != MLAConfig():
+                problems.append(f"mla: only target mla reads this section, but target is {self.target}; remove it")
+            if self.init != InitConfig():
+                problems.append(f"init: only target mla reads this section, but target is {self.target}; remove it")
         return problems

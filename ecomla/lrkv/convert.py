@@ -22,6 +22,8 @@ exactly the Llama's keys and values, which tests/lrkv/test_convert.py checks on 
 
 `shared_lowrank` and `expand_kv_heads` are pure tensor math (no transformers);
 `lrkv_from_llama` is the plumbing that copies a LlamaForCausalLM into an LrkvForCausalLM.
+`ecomla convert` with `target: lrkv` (ecomla/convert/targets.py) does the same from a
+checkpoint on disk, one layer at a time.
 """
 
 from __future__ import annotations
@@ -85,30 +87,35 @@ def shared_lowrank(heads: torch.Tensor, rank: int) -> SharedLowRank:
 
 
 def lrkv_config_from_llama(llama_config, rank: int) -> LrkvConfig:
-    """The LrkvConfig with a Llama config's shapes, RoPE and token ids, and residual rank `rank`."""
+    """The LrkvConfig with a Llama-shaped config's shapes, RoPE and token ids, and residual rank `rank`.
+
+    Llama-shaped: a LlamaConfig, or a MistralConfig without a sliding window (same layers; Mistral has
+    no `mlp_bias` and may leave `head_dim` unset, hence the defaults read below).
+    """
     if getattr(llama_config, "attention_bias", False):
         raise ValueError("attention_bias=True is not supported: per-head key/value biases have no place in the "
                          "bias-free low-rank residual, so the conversion would not be exact")
+    heads = llama_config.num_attention_heads
     return LrkvConfig(
         vocab_size=llama_config.vocab_size,
         hidden_size=llama_config.hidden_size,
         intermediate_size=llama_config.intermediate_size,
         num_hidden_layers=llama_config.num_hidden_layers,
-        num_attention_heads=llama_config.num_attention_heads,
-        head_dim=llama_config.head_dim,
+        num_attention_heads=heads,
+        head_dim=getattr(llama_config, "head_dim", None) or llama_config.hidden_size // heads,
         lrkv_rank=rank,
         hidden_act=llama_config.hidden_act,
         max_position_embeddings=llama_config.max_position_embeddings,
-        initializer_range=llama_config.initializer_range,
+        initializer_range=getattr(llama_config, "initializer_range", 0.02),
         rms_norm_eps=llama_config.rms_norm_eps,
-        pad_token_id=llama_config.pad_token_id,
+        pad_token_id=getattr(llama_config, "pad_token_id", None),
         bos_token_id=llama_config.bos_token_id,
         eos_token_id=llama_config.eos_token_id,
-        tie_word_embeddings=llama_config.tie_word_embeddings,
+        tie_word_embeddings=bool(getattr(llama_config, "tie_word_embeddings", False)),
         rope_parameters=copy.deepcopy(llama_config.rope_parameters),
         attention_bias=False,
-        attention_dropout=llama_config.attention_dropout,
-        mlp_bias=llama_config.mlp_bias,
+        attention_dropout=getattr(llama_config, "attention_dropout", 0.0),
+        mlp_bias=bool(getattr(llama_config, "mlp_bias", False)),
     )
 
 
