@@ -9,6 +9,7 @@
     ecomla eval RECIPE.yaml           (lm-eval over a list of models: table, JSON and chart)
     ecomla report RUN_DIR             (rebuild the table and chart from saved eval results)
     ecomla run RECIPE.yaml            (the main job: convert -> distill -> eval -> report, stages cached)
+    ecomla variants RECIPE.yaml       (MHA/GQA/MQA/MLA/LRKV pretrained from scratch at equal params and tokens)
 
 Every recipe key, its type, default and meaning is listed by `ecomla <job> --help`.
 Recipe problems are reported all at once, by dotted key, before anything runs.
@@ -49,6 +50,11 @@ def _convert(args: argparse.Namespace) -> None:
     from ecomla.convert.summary import print_summary
 
     recipe = load_recipe(ConvertRecipe, args.recipe, overrides=args.overrides)
+    if recipe.target != "mla":  # gqa, mqa, lrkv: weight-only, one layer at a time
+        from ecomla.convert import targets
+
+        targets.print_summary(targets.convert_target(recipe, force=args.force, progress=not args.quiet))
+        return
     plan = make_plan(recipe, force=args.force)
     report = Converter(plan, force=args.force, progress=not args.quiet).run()
     print_summary(report)
@@ -101,10 +107,31 @@ def _eval(args: argparse.Namespace) -> None:
 
 def _report(args: argparse.Namespace) -> None:
     from ecomla.eval.report import markdown, write_report
+    from ecomla.variants.report import is_variants_run, write_variants_report
 
+    if is_variants_run(args.run_dir):
+        from ecomla.variants.report import markdown as variants_markdown
+
+        print(variants_markdown(write_variants_report(args.run_dir)), end="")
+        print(f"report.json, report.md, kv_vs_ce.png and ce_vs_tokens.png rebuilt in {args.run_dir}")
+        return
     summary = write_report(args.run_dir, title=args.title)
     print(markdown(summary), end="")
     print(f"report.json, report.md and chart.png rebuilt in {args.run_dir}")
+
+
+def _variants(args: argparse.Namespace) -> None:
+    from ecomla.variants.recipe import SweepRecipe
+    from ecomla.variants.sweep import run_sweep
+
+    recipe = load_recipe(SweepRecipe, args.recipe, overrides=args.overrides)
+    if args.force:
+        import shutil
+
+        shutil.rmtree(recipe.output_dir, ignore_errors=True)
+    out = run_sweep(recipe, progress=not args.quiet)
+    print((out / "report.md").read_text(), end="")
+    print(f"report.md, report.json, kv_vs_ce.png and ce_vs_tokens.png in {out}")
 
 
 def _run(args: argparse.Namespace) -> None:
@@ -134,8 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "convert",
-        help="convert a checkpoint to stock DeepSeek-V3 MLA (SVD, calibration or random init)",
-        description="Convert a Llama/Mistral/Qwen2 checkpoint into a stock DeepseekV3ForCausalLM checkpoint. "
+        help="convert a checkpoint to stock DeepSeek-V3 MLA (SVD, calibration or random init), GQA/MQA or LRKV",
+        description="Convert a Llama/Mistral/Qwen2 checkpoint into a stock DeepseekV3ForCausalLM checkpoint "
+        "(target: mla, the default), the source's own class with fewer, mean-pooled KV heads (target: gqa or mqa), "
+        "or an LrkvForCausalLM with shared K/V plus per-head SVD residuals (target: lrkv). "
         "Writes the weights, config, tokenizer, conversion_report.json and the resolved recipe.",
         epilog=_recipe_epilog("ecomla.convert.recipe:ConvertRecipe"),
         formatter_class=fmt,
@@ -195,7 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Read RUN_DIR/results/*.json (from `ecomla eval` or `ecomla run`) and rewrite the table and the "
         "chart; no model is loaded.",
     )
-    p.add_argument("run_dir", help="an `ecomla eval` output_dir (or the eval/ directory of an `ecomla run`)")
+    p.add_argument("run_dir", help="an `ecomla eval` output_dir, the eval/ directory of an `ecomla run`, or an "
+                   "`ecomla variants` output_dir")
     p.add_argument("--title", default=None, help="chart title")
     p.set_defaults(func=_report)
 
@@ -212,6 +242,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_recipe_args(p)
     p.set_defaults(func=_run)
+
+    p = sub.add_parser(
+        "variants",
+        help="pretrain MHA/GQA/MQA/MLA/LRKV from scratch at equal params and tokens; CE against KV size",
+        description="Build every attention variant at every model size (MLP width matched to the MHA model's "
+        "parameter count), pretrain each with `ecomla pretrain` on the same data and tokens (`jobs` runs at a time, "
+        "one thread each; finished runs are reused by hash, interrupted ones resume), then write report.md, "
+        "report.json, kv_vs_ce.png (final held-out CE against KV cache size as % of MHA) and ce_vs_tokens.png.",
+        epilog=_recipe_epilog("ecomla.variants.recipe:SweepRecipe"),
+        formatter_class=fmt,
+    )
+    _add_recipe_args(p)
+    p.set_defaults(func=_variants)
     return parser
 
 
@@ -224,10 +267,13 @@ def _errors() -> tuple[type[BaseException], ...]:
     from ecomla.distill.trainer import TrainingError
     from ecomla.eval.report import ReportError
     from ecomla.eval.runner import EvalError
+    from ecomla.variants.report import VariantsReportError
+    from ecomla.variants.sweep import SweepError
     from ecomla.io.checkpoint import CheckpointError
 
     return (CliError, RecipeError, PlanError, SourceError, CheckpointError, DataError, FileExistsError,
-            TrainingError, ModelSetupError, DeepSpeedConfigError, EvalError, ReportError)
+            TrainingError, ModelSetupError, DeepSpeedConfigError, EvalError, ReportError, SweepError,
+            VariantsReportError)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

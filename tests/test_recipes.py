@@ -14,10 +14,11 @@ from ecomla.distill.recipe import DistillRecipe
 from ecomla.eval.recipe import EvalRecipe
 from ecomla.recipe.schema import load_recipe
 from ecomla.run.recipe import RunRecipe
+from ecomla.variants.recipe import SweepRecipe
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMAS = {"convert": ConvertRecipe, "analyze": ReconRecipe, "distill": DistillRecipe, "pretrain": DistillRecipe,
-           "eval": EvalRecipe, "run": RunRecipe}
+           "eval": EvalRecipe, "run": RunRecipe, "variants": SweepRecipe}
 OVERRIDES = {"pretrain": PRETRAIN_DEFAULTS}  # `ecomla pretrain` loads the distill schema with CE-only settings
 RECIPES = sorted((ROOT / "recipes").rglob("*.yaml"))
 

@@ -1,0 +1,1 @@
+"""Attention variants (MHA/GQA/MQA/MLA/LRKV) pretrained from scratch at equal parameters and tokens (`ecomla variants`)."""
