@@ -119,10 +119,12 @@ def charts(rows: list[dict], out: Path) -> None:
     sizes = list(dict.fromkeys(r["size"] for r in rows))
     fig, axes = plt.subplots(1, len(sizes), figsize=(6 * len(sizes), 4.4), squeeze=False, sharey=True)
     for ax, size in zip(axes[0], sizes):
+        nth: dict[str, int] = {}
         for r in (r for r in rows if r["size"] == size):
             xs, ys = zip(*r["curve"])
+            i = nth[r["kind"]] = nth.get(r["kind"], -1) + 1  # same kind: same color, its own line style
             ax.plot([x / 1e6 for x in xs], ys, label=f"{r['variant']} ({r['kv_percent_of_mha']:.0f}% KV)",
-                    color=COLORS[r["kind"]], alpha=0.5 + 0.5 * (r["kind"] == "lrkv"), marker=".")
+                    color=COLORS[r["kind"]], linestyle=("-", "--", ":", "-.")[i % 4], marker=".")
         params = next(r["params"] for r in rows if r["size"] == size)
         ax.set_title(f"{size}: {params / 1e6:.2f}M params")
         ax.set_xlabel("training tokens (millions)")
