@@ -36,7 +36,8 @@ def init_distributed() -> Dist:
     """Initialize torch.distributed through DeepSpeed (NCCL on GPUs, gloo on CPU)."""
     import deepspeed
 
-    if "RANK" not in os.environ:  # a single process without a launcher
+    solo = "RANK" not in os.environ  # a single process without a launcher: we pick the rendezvous port
+    if solo:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -47,8 +48,16 @@ def init_distributed() -> Dist:
     else:
         device = torch.device("cpu")
         backend = "gloo"
-    if not torch.distributed.is_initialized():
-        deepspeed.init_distributed(dist_backend=backend)
+    for attempt in range(5):
+        if torch.distributed.is_initialized():
+            break
+        try:
+            deepspeed.init_distributed(dist_backend=backend)
+        except torch.distributed.DistNetworkError as err:
+            # The free port we picked can be taken by another process before the store binds it; pick again.
+            if not solo or "EADDRINUSE" not in str(err) or attempt == 4:
+                raise
+            os.environ["MASTER_PORT"] = str(_free_port())
     return Dist(torch.distributed.get_rank(), torch.distributed.get_world_size(), local_rank, device)
 
 
