@@ -25,14 +25,15 @@ from transformers import AutoTokenizer
 
 from ecomla.convert.fit import make_fitter
 from ecomla.convert.metrics import heldout_metrics, kv_errors
-from ecomla.convert.plan import ConversionPlan, deepseek_config, output_rope, source_inv_freq, splits_for
+from ecomla.convert.plan import ConversionPlan, PlanError, deepseek_config, output_rope, source_inv_freq, splits_for
 from ecomla.convert.source import LayerRunner, rotary_embedding
-from ecomla.convert.to_mla import MLAGeometry, convert_attention, kv_rows
+from ecomla.convert.to_mla import MLAGeometry, convert_attention, kv_rows, residual_rotation, rope_key, source_pair_spectra
 from ecomla.convert.walk import Calibration, embed, layer_tensors, load_calibration, normalized_input, source_attention
 from ecomla.io.checkpoint import AtomicCheckpointWriter
 from ecomla.mla import latent
 from ecomla.mla.budget import allocate_ranks, compression_ratio, mla_elements
-from ecomla.mla.rope import RopeSplit, pair_norm_scores
+from ecomla.mla.rope import RopeSplit, pair_norm_scores, rope_split
+from ecomla.mla.rope_key import allocate_slots, inexpressible_reason, kept_energy
 from ecomla.recipe.schema import recipe_to_dict, save_recipe
 
 
@@ -55,30 +56,39 @@ class Converter:
         self.batch = cal.batch_size if cal is not None else 8
 
     # ---- walking the source on calibration tokens -------------------------------------------------
-    def _prepass(self) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]:
-        """Per-layer stats needed before any layer is converted: RoPE pair scores and KV spectra."""
+    def _prepass(self) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None, list[torch.Tensor] | None]:
+        """Per-layer stats needed before any layer is converted: RoPE pair scores, KV spectra, RoPE slot allocations."""
         plan, mla = self.plan, self.plan.recipe.mla
         need_scores = mla.rope_dims == "norm"
         need_spectra = mla.rank_allocation == "energy"
-        if not (need_scores or need_spectra):
-            return None, None
+        need_slots = mla.rope_allocation == "energy"
+        if not (need_scores or need_spectra or need_slots):
+            return None, None, None
         L = plan.shape.num_layers
-        scores, spectra = [], []
+        scores, spectra, slots = [], [], []
         hidden = embed(self.plan.source.reader, self.calib.fit) if self.calib is not None else None
         method = plan.recipe.init.method
-        base_split = None if need_scores else splits_for(plan, None)[0]
+        base_split = None if (need_scores or need_slots) else splits_for(plan, None)[0]
+        geo = self._geometry(plan.kv_rank)
         for i in tqdm(range(L), desc="prepass", disable=not self.progress):
             t = layer_tensors(plan.source.reader, i)
             src = source_attention(t)
             y = normalized_input(hidden, self.eps) if hidden is not None else None
+            rope_cov = self._rope_cov(y, src)
             if need_scores:
                 g = plan.shape
                 q = y.double() @ src.q_w.T + (0 if src.q_b is None else src.q_b.double())
                 k = y.double() @ src.k_w.T + (0 if src.k_b is None else src.k_b.double())
                 scores.append(pair_norm_scores(q.view(-1, g.num_heads, g.head_dim), k.view(-1, g.num_kv_heads, g.head_dim)))
+            if need_slots:
+                slots.append(allocate_slots(source_pair_spectra(geo, src, rope_cov), plan.rope_dim // 2))
             if need_spectra:
-                split = base_split or splits_for(plan, [scores[-1]] * L)[0]
-                M = kv_rows(self._geometry(plan.kv_rank), split, src, repeat=False)
+                if need_slots:
+                    split = self._slot_split(slots[-1])
+                else:
+                    split = base_split or splits_for(plan, [scores[-1]] * L)[0]
+                residual = rope_key(geo, split, src, rope_cov).residual if geo.residual_dim else None
+                M = kv_rows(geo, split, src, repeat=False, residual=residual)
                 if method == "activation":
                     spectra.append(torch.linalg.eigvalsh(M @ latent.second_moment(y) @ M.T).flip(0).clamp_min(0))
                 else:
@@ -86,7 +96,34 @@ class Converter:
             if hidden is not None:
                 hidden = self.runner.run(self.runner.build(i, t), hidden, self.batch)
             plan.source.reader.release()
-        return (scores or None), (spectra or None)
+        return (scores or None), (spectra or None), (slots or None)
+
+    def _rope_cov(self, y: torch.Tensor | None, src) -> torch.Tensor | None:
+        """rorope_act: the second moment of the key's inputs, y or [y; 1] with a key bias; None for the other modes."""
+        if self.plan.recipe.mla.rope_key != "rorope_act":
+            return None
+        return latent.second_moment(y if src.k_b is None else torch.cat([y, torch.ones(len(y), 1, dtype=y.dtype)], 1))
+
+    def _slot_split(self, counts: torch.Tensor) -> RopeSplit:
+        """The split keeping the pairs of a one-component-per-pair slot allocation (`norm` ranks by the counts)."""
+        s, mla = self.plan.shape, self.plan.recipe.mla
+        return rope_split("norm", s.head_dim, self.plan.rope_dim, interleave=mla.rope_interleave, scores=counts.double())
+
+    def _energy_splits(self, slots: list[torch.Tensor]) -> list[RopeSplit]:
+        """rope_allocation=energy: the splits of the allocation, or a PlanError when stock RoPE cannot rotate it."""
+        plan = self.plan
+        rope_type = plan.source.rope_parameters.get("rope_type", "default")
+        reason = inexpressible_reason(slots, plan.shape.head_dim, plan.rope_dim,
+                                      float(plan.source.rope_parameters["rope_theta"]),
+                                      allow_linear=rope_type != "llama3")
+        if reason is not None:
+            kept = ", ".join(f"{int(c.max())}x{int((c > 0).sum())}" for c in slots)
+            raise PlanError([(
+                f"mla.rope_allocation: energy cannot be written with stock DeepSeek-V3 RoPE: {reason}. "
+                f"(components x pairs per layer: {kept}.) Use rope_allocation: fixed; its conversion_report.json "
+                f"gives, per layer, the key energy each allocation keeps rotated (layers[i].rope_allocation)"
+            )])
+        return [self._slot_split(c) for c in slots]
 
     def _geometry(self, kv_width: int) -> MLAGeometry:
         plan, s = self.plan, self.plan.shape
@@ -102,6 +139,7 @@ class Converter:
             attention_bias=plan.attention_bias,
             rope_key=plan.recipe.mla.rope_key,
             interleave=plan.recipe.mla.rope_interleave,
+            rope_residual=plan.recipe.mla.rope_residual,
         )
 
     # ---- the conversion ----------------------------------------------------------------------------
@@ -111,7 +149,7 @@ class Converter:
         t0 = time.time()
         L = shape.num_layers
         self.query_scale = 1.0  # provisional, for the prepass geometry (scale does not touch keys/values)
-        scores, spectra = self._prepass()
+        scores, spectra, slots = self._prepass()
         if spectra is not None:
             ranks = allocate_ranks(
                 spectra, plan.kv_rank * L, multiple=recipe.mla.energy_multiple,
@@ -121,7 +159,7 @@ class Converter:
             ranks = [plan.kv_rank] * L
         plan.layer_ranks = ranks
         width = max(ranks)
-        splits = splits_for(plan, scores)
+        splits = self._energy_splits(slots) if slots is not None else splits_for(plan, scores)
         rope_params, fit = output_rope(plan, splits)
         out_cfg = deepseek_config(plan, width, rope_params)
         self.query_scale = self._query_scale(out_cfg)
@@ -148,10 +186,9 @@ class Converter:
                 if geo.q_rank is not None:
                     q_method = "svd" if recipe.init.method == "random" else recipe.init.method
                     q_fitter = make_fitter(q_method, y_fit, recipe.init.ridge, gen, out_cfg.initializer_range)
-                rope_cov = None
-                if geo.rope_key == "rorope_act":  # the second moment of the key's inputs, [y; 1] with a key bias
-                    rope_cov = latent.second_moment(y_fit if src.k_b is None else torch.cat([y_fit, torch.ones(len(y_fit), 1)], 1))
-                res = convert_attention(geo, splits[i], src, ranks[i], fitter, q_fitter, rope_cov)
+                rope_cov = self._rope_cov(y_fit, src)
+                res = convert_attention(geo, splits[i], src, ranks[i], fitter, q_fitter, rope_cov,
+                                        self._residual_rotation(geo, splits[i]))
                 out_t = {f"self_attn.{k}": v for k, v in res.tensors.items()}
                 out_t["input_layernorm.weight"] = torch.ones(shape.hidden_size)  # gain folded into the projections
                 for k in ("post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"):
@@ -167,9 +204,11 @@ class Converter:
                     entry["q_weight_energy_kept"] = res.q_basis.energy_kept
                 if splits[i].pairs is not None:
                     entry["rope_pairs"] = list(splits[i].pairs)
+                if geo.rope_key != "mean":
+                    entry["rope_allocation"] = self._allocation_entry(geo, src, res.rope, rope_cov)
                 if h_src is not None:
                     y_held = normalized_input(h_src, self.eps)
-                    k_err, v_err = kv_errors(geo, splits[i], src, res.tensors, y_held, res.rope.head_scale)
+                    k_err, v_err = kv_errors(geo, splits[i], src, res.tensors, y_held, res.rope.head_scale, res.rope.residual)
                     entry.update(heldout_key_rel_error=k_err, heldout_value_rel_error=v_err)
                     h_cvt = cvt_runner.run(cvt_runner.build(i, {k: v.float() for k, v in out_t.items()}), h_cvt, self.batch)
                 if h_fit is not None or h_src is not None:
@@ -202,6 +241,31 @@ class Converter:
             writer.commit()
         return report
 
+    def _residual_rotation(self, geo: MLAGeometry, split: RopeSplit) -> torch.Tensor | None:
+        """rope_residual=latent_mean: the residual query rows' maps, the source's rotation averaged (to_mla)."""
+        if not geo.residual_dim or self.plan.recipe.mla.rope_residual != "latent_mean":
+            return None
+        return residual_rotation(geo, split, source_inv_freq(self.plan), self.residual_context)
+
+    @property
+    def residual_context(self) -> int:
+        """T of rope_residual=latent_mean: the recipe's, else the calibration sequence length, else the source's."""
+        recipe = self.plan.recipe
+        if recipe.mla.rope_residual_context is not None:
+            return recipe.mla.rope_residual_context
+        if recipe.init.calibration is not None:
+            return recipe.init.calibration.seq_len
+        return int(self.plan.source.config.max_position_embeddings)
+
+    def _allocation_entry(self, geo: MLAGeometry, src, rope, rope_cov) -> dict:
+        """Share of the whole key energy kept rotated by the fixed allocation (this conversion's) and by `energy`."""
+        spectra = source_pair_spectra(geo, src, rope_cov)
+        slots = allocate_slots(spectra, self.plan.rope_dim // 2)
+        total = float(spectra.sum())
+        fixed = rope.energy_kept * rope.pair_energy / total if total > 0 else 1.0
+        return {"fixed_energy_kept": fixed, "energy_energy_kept": kept_energy(spectra, slots),
+                "energy_slots": {str(j): int(c) for j, c in enumerate(slots.tolist()) if c}}
+
     def _query_scale(self, out_cfg) -> float:
         """s_src / s_out: the stock softmax scale is (nope + rope)^-0.5 (with YaRN mscale); the source's d_h^-0.5."""
         from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
@@ -224,6 +288,11 @@ class Converter:
         worst = max(errs)
         return {
             "rope_dims": self.plan.recipe.mla.rope_dims,
+            "rope_key": self.plan.recipe.mla.rope_key,
+            "rope_residual": self.plan.recipe.mla.rope_residual,
+            "rope_allocation": self.plan.recipe.mla.rope_allocation,
+            "qk_nope_head_dim": self.plan.shape.head_dim - self.plan.rope_dim + self.plan.residual_dim,
+            "rope_residual_context": self.residual_context if self.plan.recipe.mla.rope_residual == "latent_mean" else None,
             "rope_parameters": dict(out_cfg.rope_parameters),
             "rope_interleave": out_cfg.rope_interleave,
             "exact": worst < 1e-6,

@@ -12,26 +12,30 @@ from ecomla.mla.rope import RopeSplit
 
 
 def kv_errors(geo: MLAGeometry, split: RopeSplit, src: SourceAttention, tensors: dict, y: torch.Tensor,
-              rope_scale: torch.Tensor | None = None) -> tuple[float, float]:
+              rope_scale: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> tuple[float, float]:
     """Held-out ‖K−K̂‖/‖K‖ and ‖V−V̂‖/‖V‖ over all query heads, pre-RoPE, in the output's dim order.
 
     Keys include the RoPE part (the shared key, times the head's RoRoPE factor, against the head's own);
-    both exclude biases, which the conversion carries exactly.
+    both exclude biases, which the conversion carries exactly. With `rope_residual: latent` (residual, the
+    `SharedRopeKey.residual` rows) the latent's residual dims are added back to the RoPE part: the key as
+    the scores see it at relative position 0, where the residual's missing rotation does not matter.
     """
     y = y.double()
-    n, nope, d_h, r = geo.n_heads, geo.nope_dim, geo.head_dim, geo.kv_width
+    n, nope, qk_nope, d_h, r = geo.n_heads, geo.nope_dim, geo.qk_nope_dim, geo.head_dim, geo.kv_width
     kv_a = tensors["kv_a_proj_with_mqa.weight"].double()
     lat = latent.rms_normalize(y @ kv_a[:r].T)
-    kv_hat = (lat @ tensors["kv_b_proj.weight"].double().T).view(-1, n, nope + d_h)
+    kv_hat = (lat @ tensors["kv_b_proj.weight"].double().T).view(-1, n, qk_nope + d_h)
     kr_hat = (y @ kv_a[r:].T)[:, None].expand(-1, n, -1)  # (N, n_h, d_r): the shared key ...
     if rope_scale is not None:  # ... as each head's scores see it (RoRoPE scales the query side per KV group)
         kr_hat = kr_hat * rope_scale.repeat_interleave(geo.n_rep, dim=0)[None].to(kr_hat.dtype)
-    kv_true = (y @ kv_rows(geo, split, src, repeat=True).T).view(-1, n, nope + d_h)
+    if geo.residual_dim:  # ... plus the residual carried by the latent
+        kr_hat = kr_hat + kv_hat[..., nope:qk_nope]
+    kv_true = (y @ kv_rows(geo, split, src, repeat=True, residual=residual).T).view(-1, n, qk_nope + d_h)
     kv_of = torch.arange(n) // geo.n_rep
     kr_true = (y @ src.k_w.view(geo.n_kv, d_h, -1)[:, split.rope_rows].reshape(-1, y.shape[1]).T).view(-1, geo.n_kv, geo.rope_dim)[:, kv_of]
     k_true = torch.cat([kv_true[..., :nope], kr_true], -1)
     k_hat = torch.cat([kv_hat[..., :nope], kr_hat], -1)
-    return latent.relative_error(k_true, k_hat), latent.relative_error(kv_true[..., nope:], kv_hat[..., nope:])
+    return latent.relative_error(k_true, k_hat), latent.relative_error(kv_true[..., qk_nope:], kv_hat[..., qk_nope:])
 
 
 @torch.no_grad()

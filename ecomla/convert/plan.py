@@ -16,6 +16,7 @@ from transformers import DeepseekV3Config
 
 from ecomla.convert.recipe import ConvertRecipe
 from ecomla.convert.source import SourceModel, inspect_source, rotary_embedding
+from ecomla.convert.to_mla import residual_dim
 from ecomla.mla.budget import rank_for_ratio
 from ecomla.mla.rope import FrequencyFit, RopeSplit, fit_frequencies, rope_split
 
@@ -43,6 +44,12 @@ class ConversionPlan:
     @property
     def shape(self):
         return self.source.shape
+
+    @property
+    def residual_dim(self) -> int:
+        """Extra no-RoPE dims per head under mla.rope_residual=latent or latent_mean (see `ecomla.convert.to_mla`)."""
+        mla = self.recipe.mla
+        return residual_dim(mla.rope_residual, mla.rope_key, self.shape.num_kv_heads, self.rope_dim)
 
     @property
     def attention_bias(self) -> bool:
@@ -137,7 +144,7 @@ def output_rope(plan: ConversionPlan, splits: list[RopeSplit]) -> tuple[dict, Fr
     rope_type = src.get("rope_type", "default")
     theta = float(src["rope_theta"])
     params = {k: v for k, v in src.items()}
-    if plan.recipe.mla.rope_dims == "last":
+    if splits[0].pairs is None:  # rope_dims=last
         return params, None  # a fresh d_r-dim RoPE with the source's θ and scaling
     fit = fit_frequencies(
         [s.pairs for s in splits], plan.shape.head_dim, plan.rope_dim, theta, allow_linear=rope_type != "llama3"
@@ -168,7 +175,7 @@ def deepseek_config(plan: ConversionPlan, kv_width: int, rope_parameters: dict) 
         kv_lora_rank=kv_width,
         q_lora_rank=plan.recipe.mla.q_lora_rank,
         qk_rope_head_dim=plan.rope_dim,
-        qk_nope_head_dim=shape.head_dim - plan.rope_dim,
+        qk_nope_head_dim=shape.head_dim - plan.rope_dim + plan.residual_dim,
         v_head_dim=shape.head_dim,
         first_k_dense_replace=shape.num_layers,  # every layer dense: no MoE
         n_routed_experts=1,

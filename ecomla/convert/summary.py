@@ -33,6 +33,17 @@ def summary_lines(report: dict) -> list[str]:
         f"theta={rope['rope_parameters']['rope_theta']:.6g}, "
         + ("original frequencies kept exactly" if rope["exact"] else "frequencies not the source's (fresh or fitted RoPE)")
     )
+    if rope.get("rope_key") is not None:
+        line = f"  RoPE key: {rope['rope_key']}, residual {rope['rope_residual']}"
+        if rope.get("rope_residual_context") is not None:
+            line += f" (averaged over {rope['rope_residual_context']} tokens)"
+        lines.append(line + f", qk_nope_head_dim {rope['qk_nope_head_dim']}, allocation {rope['rope_allocation']}")
+    allocs = [e["rope_allocation"] for e in report["layers"] if "rope_allocation" in e]
+    if allocs:
+        fixed = sum(a["fixed_energy_kept"] for a in allocs) / len(allocs)
+        energy = sum(a["energy_energy_kept"] for a in allocs) / len(allocs)
+        lines.append(f"  key energy kept rotated (mean over layers): {fixed:.1%} with these pairs; "
+                     f"{energy:.1%} by energy allocation (report only unless stock RoPE expresses it)")
     layers = report["layers"]
     has_err = "heldout_key_rel_error" in layers[0]
     head = f"  {'layer':>5} {'r_kv':>5} {'energy':>7}" + (f" {'K err':>7} {'V err':>7}" if has_err else "")

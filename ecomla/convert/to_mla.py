@@ -8,12 +8,18 @@ Per layer, with gain g of `input_layernorm` folded into the projections (the
 output keeps a unit gain, so the attention input is y = RMSNorm(h) without
 gain, ‖y‖² ≈ d):
 
-  q_proj             rows of W_q·diag(g) per head, reordered [nope rows; RoPE rows],
+  q_proj             rows of W_q·diag(g) per head, reordered [nope rows; (residual rows); RoPE rows],
                      times s_src/s_out when the softmax scales differ
   kv_a_proj_with_mqa [Q (latent rows, r × d); the shared RoPE key (mean over KV heads, or RoRoPE)]
   kv_a_layernorm     ones (the up-projection absorbs the norm, see `ecomla.mla.latent`)
-  kv_b_proj          B: per query head h, [k_nope_h; v_h] (GQA heads repeated)
+  kv_b_proj          B: per query head h, [k_nope_h; (k_res_h); v_h] (GQA heads repeated)
   o_proj             unchanged; bias += W_o·b_v (exact: softmax rows sum to one)
+
+With `rope_residual: latent | latent_mean`, a RoRoPE key and more than one KV
+head, the RoPE key part the shared key does not carry (`ecomla.mla.rope_key`)
+becomes d_r extra no-RoPE dims per head: key rows k_res through the latent,
+query rows the head's own RoPE rows without the RoRoPE factor (latent_mean:
+turned by each pair's mean rotation), so qk_nope_head_dim = d_h − d_r + d_r.
 
 Biases (Qwen2): a key bias on the no-RoPE rows only adds q·b_k to every score of a
 query, which softmax ignores, so it is dropped exactly; on the RoPE rows it goes
@@ -30,7 +36,15 @@ import torch
 
 from ecomla.mla.latent import Basis
 from ecomla.mla.rope import RopeSplit
-from ecomla.mla.rope_key import RopeKey, SharedRopeKey, shared_rope_key
+from ecomla.mla.rope_key import (
+    RopeKey,
+    RopeResidual,
+    SharedRopeKey,
+    fold_rotation,
+    pair_spectra,
+    residual_fold,
+    shared_rope_key,
+)
 
 
 @dataclass(frozen=True)
@@ -48,10 +62,21 @@ class MLAGeometry:
     attention_bias: bool  # output's attention_bias
     rope_key: RopeKey = "mean"  # how the shared RoPE key is built from the KV heads (ecomla.mla.rope_key)
     interleave: bool = True  # output RoPE layout: interleaved pairs, or half-wise
+    rope_residual: RopeResidual = "drop"  # the RoPE key part the shared key does not carry: dropped, or no-RoPE dims
 
     @property
     def nope_dim(self) -> int:
+        """Source rows per head that lose RoPE (d_h − d_r)."""
         return self.head_dim - self.rope_dim
+
+    @property
+    def residual_dim(self) -> int:
+        return residual_dim(self.rope_residual, self.rope_key, self.n_kv, self.rope_dim)
+
+    @property
+    def qk_nope_dim(self) -> int:
+        """The output's qk_nope_head_dim."""
+        return self.nope_dim + self.residual_dim
 
     @property
     def n_rep(self) -> int:
@@ -80,40 +105,77 @@ class SourceAttention:
         return cls(**out)
 
 
+def residual_dim(rope_residual: RopeResidual, rope_key: RopeKey, n_kv: int, rope_dim: int) -> int:
+    """Extra no-RoPE dims per head for the residual RoPE key: d_r under latent/latent_mean with a RoRoPE key.
+
+    0 for one KV head (no residual) and for `mean`, which stays X-EcoMLA as published.
+    """
+    return rope_dim if rope_residual != "drop" and rope_key != "mean" and n_kv > 1 else 0
+
+
 def _head_rows(n: int, head_dim: int, rows: torch.Tensor) -> torch.Tensor:
     """Flat row indices of `rows` inside each of n heads: (n·len(rows),)."""
     return (torch.arange(n)[:, None] * head_dim + rows[None, :]).reshape(-1)
 
 
 def query_rows(
-    geo: MLAGeometry, split: RopeSplit, src: SourceAttention, rope_scale: torch.Tensor | None = None
+    geo: MLAGeometry,
+    split: RopeSplit,
+    src: SourceAttention,
+    rope_scale: torch.Tensor | None = None,
+    residual_rotation: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Output query rows (n_h·(nope + d_r), d) and bias, per head [nope; RoPE], scale folded.
+    """Output query rows (n_h·(qk_nope + d_r), d) and bias, per head [nope; residual; RoPE], scale folded.
 
     rope_scale (n_kv, d_r): a factor on the RoPE rows of every query head of each KV group (RoRoPE).
+    The residual rows (only with `geo.residual_dim`) are the RoPE rows again, without that factor:
+    they meet the head's own residual key, unrotated. residual_rotation ((n_h,) d_r/2, 2, 2): each
+    pair's mean-rotation map (`residual_rotation`), folded into those rows; None keeps them as they
+    are (the rotation ignored).
     """
-    idx = _head_rows(geo.n_heads, geo.head_dim, torch.cat([split.nope_rows, split.rope_rows]))
-    factor = torch.full((geo.n_heads, geo.nope_dim + geo.rope_dim), geo.query_scale, dtype=torch.float64)
+    res_rows = split.rope_rows if geo.residual_dim else split.rope_rows[:0]
+    idx = _head_rows(geo.n_heads, geo.head_dim, torch.cat([split.nope_rows, res_rows, split.rope_rows]))
+    factor = torch.full((geo.n_heads, geo.qk_nope_dim + geo.rope_dim), geo.query_scale, dtype=torch.float64)
     if rope_scale is not None:
-        factor[:, geo.nope_dim :] *= rope_scale.repeat_interleave(geo.n_rep, dim=0)
+        factor[:, geo.qk_nope_dim :] *= rope_scale.repeat_interleave(geo.n_rep, dim=0)
     factor = factor.reshape(-1)
     w = src.q_w[idx] * factor[:, None]
     b = None if src.q_b is None else src.q_b.double()[idx] * factor
+    if geo.residual_dim and residual_rotation is not None:
+        per_head = geo.qk_nope_dim + geo.rope_dim
+        res = slice(geo.nope_dim, geo.qk_nope_dim)
+        pairs, fold = output_pairs(geo), residual_rotation.double()
+        w = w.view(geo.n_heads, per_head, -1).clone()  # (n_h, qk_nope + d_r, d)
+        w[:, res] = fold_rotation(w[:, res], pairs, fold)
+        w = w.reshape(-1, w.shape[-1])
+        if b is not None:
+            b = b.view(geo.n_heads, per_head, 1).clone()
+            b[:, res] = fold_rotation(b[:, res], pairs, fold)
+            b = b.reshape(-1)
     return w, b
 
 
-def kv_rows(geo: MLAGeometry, split: RopeSplit, src: SourceAttention, *, repeat: bool) -> torch.Tensor:
-    """Rows the latent must reproduce: per head [k_nope; v], as (n·(nope + d_h), d).
+def kv_rows(
+    geo: MLAGeometry, split: RopeSplit, src: SourceAttention, *, repeat: bool, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Rows the latent must reproduce: per head [k_nope; k_res; v], as (n·(qk_nope + d_h), d).
 
     repeat=True gives one block per query head (kv_b_proj's layout); False one
     per KV head, which spans the same row space for fitting the basis.
+    residual (n_kv, d_r, d): the RoPE key part not kept (`SharedRopeKey.residual`),
+    required when `geo.residual_dim` is nonzero.
     """
     n = geo.n_heads if repeat else geo.n_kv
     kv_of = torch.arange(n) // (geo.n_rep if repeat else 1)
     d_h = geo.head_dim
     k_nope = src.k_w.view(geo.n_kv, d_h, -1)[:, split.nope_rows][kv_of]  # (n, nope, d)
     v = src.v_w.view(geo.n_kv, d_h, -1)[kv_of]  # (n, d_h, d)
-    return torch.cat([k_nope, v], dim=1).reshape(n * (geo.nope_dim + d_h), -1)
+    parts = [k_nope]
+    if geo.residual_dim:
+        if residual is None:
+            raise ValueError("rope_residual latent/latent_mean needs the residual RoPE rows (SharedRopeKey.residual)")
+        parts.append(residual.to(k_nope.dtype)[kv_of])  # (n, d_r, d)
+    return torch.cat(parts + [v], dim=1).reshape(n * (geo.qk_nope_dim + d_h), -1)
 
 
 def output_pairs(geo: MLAGeometry) -> list[tuple[int, int]]:
@@ -127,6 +189,25 @@ def rope_key(geo: MLAGeometry, split: RopeSplit, src: SourceAttention, cov: torc
     rows = src.k_w.view(geo.n_kv, geo.head_dim, -1)[:, split.rope_rows]  # (n_kv, d_r, d)
     bias = None if src.k_b is None else src.k_b.double().view(geo.n_kv, geo.head_dim)[:, split.rope_rows]
     return shared_rope_key(rows, bias, output_pairs(geo), geo.rope_key, cov)
+
+
+def residual_rotation(geo: MLAGeometry, split: RopeSplit, inv_freq: torch.Tensor, context: int) -> torch.Tensor:
+    """latent_mean: (d_r/2, 2, 2) maps for the residual query rows, the source's rotation averaged over the causal
+    distances of `context` tokens (weight T − Δ). inv_freq (d_h/2,): the source's per-pair frequencies."""
+    weights = torch.arange(context, 0, -1, dtype=torch.float64)
+    return residual_fold(split.rope_rows, output_pairs(geo), geo.head_dim, inv_freq, weights)
+
+
+def source_pair_spectra(geo: MLAGeometry, src: SourceAttention, cov: torch.Tensor | None = None) -> torch.Tensor:
+    """(d_h/2, n_kv): key energy of every virtual head of every source pair (`ecomla.mla.rope_key.pair_spectra`).
+
+    Source pair j is rows (j, j + d_h/2) of each head (the half-wise layout); cov is the
+    input second moment (rorope_act) or None (weights only).
+    """
+    half = geo.head_dim // 2
+    k = src.k_w.view(geo.n_kv, 2, half, -1).transpose(1, 2)  # (n_kv, d_h/2, 2, d): [row j, row j + d_h/2]
+    bias = None if src.k_b is None else src.k_b.double().view(geo.n_kv, 2, half).transpose(1, 2)
+    return pair_spectra(k, bias, cov)
 
 
 def o_bias(geo: MLAGeometry, src: SourceAttention) -> torch.Tensor | None:
@@ -176,15 +257,16 @@ def convert_attention(
     fit_kv: LatentFit,
     fit_q: LatentFit | None,
     rope_cov: torch.Tensor | None = None,
+    residual_rotation: torch.Tensor | None = None,
 ) -> LayerResult:
-    """Build the stock DeepSeek-V3 attention tensors of one layer."""
+    """Build the stock DeepSeek-V3 attention tensors of one layer (residual_rotation: see `query_rows`)."""
     out: dict[str, torch.Tensor] = {}
     d = geo.hidden
 
-    # Keys and values through the latent.
-    M_kv = kv_rows(geo, split, src, repeat=True)
-    kv_basis, kv_up = fit_kv(M_kv, kv_rank, geo.kv_width)
+    # Keys and values through the latent (with the residual RoPE key part, under rope_residual=latent).
     rope = rope_key(geo, split, src, rope_cov)
+    M_kv = kv_rows(geo, split, src, repeat=True, residual=rope.residual)
+    kv_basis, kv_up = fit_kv(M_kv, kv_rank, geo.kv_width)
     out["kv_a_proj_with_mqa.weight"] = torch.cat([pad_rows(kv_basis.rows, geo.kv_width), rope.weight], dim=0)
     if geo.attention_bias:
         rope_b = rope.bias if rope.bias is not None else torch.zeros(geo.rope_dim, dtype=torch.float64)
@@ -193,7 +275,7 @@ def convert_attention(
     out["kv_b_proj.weight"] = kv_up
 
     # Queries: full, or through their own normalized latent.
-    q_w, q_b = query_rows(geo, split, src, rope.head_scale)
+    q_w, q_b = query_rows(geo, split, src, rope.head_scale, residual_rotation)
     q_basis = None
     if geo.q_rank is None:
         if q_b is not None:
