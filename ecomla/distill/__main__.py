@@ -9,5 +9,8 @@ The same as `ecomla distill`, for launchers that start one process per GPU.
 import sys
 
 from ecomla.cli import main
+from ecomla.distill.runtime import shutdown
 
-sys.exit(main(["distill", *[a for a in sys.argv[1:] if not a.startswith("--local_rank")]]))
+code = main(["distill", *[a for a in sys.argv[1:] if not a.startswith("--local_rank")]])
+shutdown()
+sys.exit(code)

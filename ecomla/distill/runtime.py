@@ -61,6 +61,13 @@ def init_distributed() -> Dist:
     return Dist(torch.distributed.get_rank(), torch.distributed.get_world_size(), local_rank, device)
 
 
+def shutdown() -> None:
+    """Tear the process group down before the interpreter exits (launcher entry points). Left to interpreter
+    exit, gloo's threads can die first and a rank aborts with 'terminate called without an active exception'."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=device)
     torch.distributed.all_reduce(t)

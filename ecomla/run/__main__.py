@@ -9,5 +9,8 @@ The same as `ecomla run`: every rank distills, rank 0 converts and evaluates.
 import sys
 
 from ecomla.cli import main
+from ecomla.distill.runtime import shutdown
 
-sys.exit(main(["run", *[a for a in sys.argv[1:] if not a.startswith("--local_rank")]]))
+code = main(["run", *[a for a in sys.argv[1:] if not a.startswith("--local_rank")]])
+shutdown()
+sys.exit(code)
