@@ -15,28 +15,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from ecomla.distill.runtime import solo_env
+
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ("base", "teacher-3x", "teacher-8x")
-
-
-def solo_env() -> dict:
-    """This environment minus any torch.distributed rendezvous settings: each job is its own single process
-    (inheriting a parent's RANK/MASTER_PORT would make it bind the parent's port)."""
-    drop = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}
-    return {k: v for k, v in os.environ.items() if k not in drop}
 
 
 def run(cmd: list[str], log: Path) -> float:
     """Run a command from the repo root, its output to `log`; seconds taken. Fails loudly with the log's end."""
     t0 = time.time()
     with open(log, "w") as f:
+        # solo_env: each job is its own single process, not a rank of ours (a test may have set RANK/MASTER_PORT)
         proc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=solo_env())
     if proc.returncode:
         raise SystemExit(f"failed: {' '.join(cmd)}\n{log.read_text()[-3000:]}")

@@ -32,6 +32,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+RENDEZVOUS_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def solo_env() -> dict[str, str]:
+    """This process's environment minus the torch.distributed rendezvous settings, for a child that must be its
+    own single process: inheriting a parent's RANK/MASTER_PORT would make it bind the parent's live port."""
+    return {k: v for k, v in os.environ.items() if k not in RENDEZVOUS_VARS}
+
+
 def init_distributed() -> Dist:
     """Initialize torch.distributed through DeepSpeed (NCCL on GPUs, gloo on CPU)."""
     import deepspeed

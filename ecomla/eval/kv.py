@@ -25,9 +25,9 @@ def kv_elements_per_token(cfg: Mapping) -> int:
     if cfg.get("model_type") in MLA_TYPES:
         return int(cfg["num_hidden_layers"]) * mla_elements(int(cfg["kv_lora_rank"]), int(cfg["qk_rope_head_dim"]))
     if cfg.get("model_type") == "lrkv":
-        heads = int(cfg["num_attention_heads"])
-        head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
-        return int(cfg["num_hidden_layers"]) * 2 * (head_dim + heads * int(cfg["lrkv_rank"]))
+        from ecomla.lrkv.configuration import LrkvConfig, lrkv_kv_elements
+
+        return lrkv_kv_elements(LrkvConfig.from_dict({k: v for k, v in cfg.items() if k != "model_type"}))
     shape = AttentionShape.from_config(cfg)
     return shape.num_layers * shape.kv_elements
 

@@ -16,7 +16,6 @@ report.md, chart.png) is rebuilt from the result files at the end, and by
 from __future__ import annotations
 
 import difflib
-import hashlib
 import json
 import os
 import time
@@ -24,7 +23,7 @@ from pathlib import Path
 
 from ecomla.eval.kv import compression_vs, kv_elements_per_token, measured_kv_bytes_per_token
 from ecomla.eval.recipe import EvalModel, EvalRecipe, Suite, load_suite
-from ecomla.io.fingerprint import path_fingerprint
+from ecomla.io.fingerprint import digest, path_fingerprint, recorded_key
 from ecomla.recipe.schema import recipe_to_dict, save_recipe
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
@@ -151,7 +150,7 @@ def result_key(model: EvalModel, recipe: EvalRecipe, suite: Suite, include: Path
     parts = [path_fingerprint(model.path), recipe_to_dict(model), recipe_to_dict(suite), recipe.limit, recipe.dtype,
              recipe.device.split(":")[0], recipe.batch_size, recipe.bootstrap_iters, recipe.seed, base_cfg, include and path_fingerprint(include),
              lm_eval.__version__]
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return digest(*parts, length=16)
 
 
 def run_eval(recipe: EvalRecipe, *, force: bool = False, progress: bool = True) -> Path:
@@ -184,12 +183,8 @@ def run_eval(recipe: EvalRecipe, *, force: bool = False, progress: bool = True) 
         bar.set_postfix_str(m.name)
         path = out / "results" / f"{m.name}.json"
         key = result_key(m, recipe, suite, include, base_cfg)
-        if not force and path.is_file():
-            try:
-                if json.loads(path.read_text()).get("key") == key:
-                    continue
-            except json.JSONDecodeError:
-                pass  # a damaged result file is simply recomputed
+        if not force and recorded_key(path) == key:  # a missing or damaged result file is recomputed
+            continue
         result = evaluate_model(m, recipe, suite, tm, cfgs[m.name], base_cfg)
         result["key"] = key
         _write_json(path, result)

@@ -9,7 +9,9 @@ modification time, which is cheap and changes whenever a file is rewritten.
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
+from typing import Any
 
 CONTENT_HASH_LIMIT = 64 << 20
 
@@ -35,3 +37,16 @@ def path_fingerprint(path: str | Path) -> str:
     for f in files:
         h.update(f"{f.relative_to(p) if f != p else f.name}\0{file_fingerprint(f)}\n".encode())
     return h.hexdigest()[:16]
+
+
+def digest(*parts: Any, length: int = 12) -> str:
+    """A short hash of JSON-able parts (dict keys sorted; anything else by its str): the key of a cached result."""
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:length]
+
+
+def recorded_key(record: Path) -> str | None:
+    """The "key" a finished result recorded in its JSON file; None when the file is missing or damaged."""
+    try:
+        return json.loads(record.read_text()).get("key")
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None

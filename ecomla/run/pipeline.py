@@ -25,7 +25,6 @@ The run directory must be on a file system all ranks share.
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import os
 import shutil
@@ -34,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ecomla.io.fingerprint import path_fingerprint
+from ecomla.io.fingerprint import digest, path_fingerprint, recorded_key
 from ecomla.mla.budget import format_ratio
 from ecomla.recipe.schema import RecipeError, load_recipe, recipe_to_dict, save_recipe
 from ecomla.run.recipe import RunRecipe
@@ -58,12 +57,7 @@ class Stage:
         return self.dir / ("model" if self.kind == "convert" else "run/final")
 
     def done(self) -> bool:
-        if not self.done_file.is_file():
-            return False
-        try:
-            return json.loads(self.done_file.read_text()).get("key") == self.key
-        except json.JSONDecodeError:
-            return False
+        return recorded_key(self.done_file) == self.key
 
 
 def _set(d: dict, dotted: str, value: Any) -> None:
@@ -71,10 +65,6 @@ def _set(d: dict, dotted: str, value: Any) -> None:
     for h in heads:
         d = d.setdefault(h, {})
     d[last] = value
-
-
-def _digest(*parts: Any) -> str:
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
 def _sub_recipe(cls: type, section: str, body: dict, fills: dict[str, Any]):
@@ -109,7 +99,7 @@ def plan(recipe: RunRecipe) -> list[Stage]:
             label = f"convert-{format_ratio(ratio)}-{init}"
             fills = {"model": recipe.base, "output_dir": "", "mla.target_compression": ratio, "init.method": init}
             sub = _sub_recipe(ConvertRecipe, "convert", recipe.convert, fills)
-            key = _digest("convert", recipe_to_dict(sub), base_fp)
+            key = digest("convert", recipe_to_dict(sub), base_fp)
             stage = Stage("convert", label, sub, key, out / f"{label}-{key}", {"ratio": ratio, "init": init})
             sub.output_dir = str(stage.model_dir)
             stages.append(stage)
@@ -124,7 +114,7 @@ def plan(recipe: RunRecipe) -> list[Stage]:
                 sub = _sub_recipe(DistillRecipe, "distill", recipe.distill, fills)
                 as_dict = recipe_to_dict(sub)
                 as_dict.pop("student")
-                key = _digest("distill", as_dict, src.key, path_fingerprint(recipe.teachers[teacher]),
+                key = digest("distill", as_dict, src.key, path_fingerprint(recipe.teachers[teacher]),
                               _data_fingerprints(sub))
                 stage = Stage("distill", label, sub, key, out / f"{label}-{key}",
                               {"ratio": ratio, "init": init, "teacher": teacher, "after": src.label})

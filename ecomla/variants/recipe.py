@@ -27,6 +27,11 @@ class SizeSpec:
     intermediate_size: int = knob(help="SwiGLU width of the MHA model (other variants adjust it with match_params)")
 
 
+# Each kind-specific key: the kind that reads it, and whether that kind requires it.
+_KIND_KEYS = {"kv_heads": ("gqa", True), "kv_lora_rank": ("mla", True), "rope_dim": ("mla", False),
+              "rank": ("lrkv", True)}
+
+
 @dataclass
 class VariantSpec:
     """One attention variant."""
@@ -39,12 +44,10 @@ class VariantSpec:
     rank: int | None = knob(None, help="lrkv: rank r of each head's residual")
 
     def check(self) -> list[str]:
-        need = {"gqa": ("kv_heads",), "mla": ("kv_lora_rank",), "lrkv": ("rank",)}.get(self.kind, ())
-        problems = [f"{k}: required for kind {self.kind}" for k in need if getattr(self, k) is None]
-        allowed = set(need) | ({"rope_dim"} if self.kind == "mla" else set())
-        problems += [f"{k}: only used by kind {'mla' if k == 'rope_dim' else {'kv_heads': 'gqa', 'kv_lora_rank': 'mla', 'rank': 'lrkv'}[k]}"
-                     for k in ("kv_heads", "kv_lora_rank", "rope_dim", "rank")
-                     if getattr(self, k) is not None and k not in allowed]
+        problems = [f"{key}: required for kind {kind}" for key, (kind, required) in _KIND_KEYS.items()
+                    if kind == self.kind and required and getattr(self, key) is None]
+        problems += [f"{key}: only used by kind {kind}" for key, (kind, _) in _KIND_KEYS.items()
+                     if kind != self.kind and getattr(self, key) is not None]
         return problems
 
 

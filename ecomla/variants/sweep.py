@@ -11,16 +11,14 @@ two one-thread runs beat one two-thread run, and they never oversubscribe).
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
-import os
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ecomla.io.fingerprint import path_fingerprint
+from ecomla.io.fingerprint import digest, path_fingerprint, recorded_key
 from ecomla.recipe.schema import RecipeError, load_recipe, recipe_to_dict, save_recipe
 from ecomla.variants.configs import count_params, match_mlp, variant_config
 from ecomla.variants.recipe import SweepRecipe
@@ -46,10 +44,7 @@ class Run:
         return self.dir / "stage.json"
 
     def done(self) -> bool:
-        try:
-            return json.loads(self.done_file.read_text()).get("key") == self.key
-        except (FileNotFoundError, json.JSONDecodeError):
-            return False
+        return recorded_key(self.done_file) == self.key
 
 
 def tokenizer_dir(recipe: SweepRecipe) -> Path:
@@ -96,8 +91,7 @@ def plan(recipe: SweepRecipe) -> list[Run]:
                 sub = load_recipe(DistillRecipe, data=data, overrides=PRETRAIN_DEFAULTS)
             except RecipeError as err:
                 raise RecipeError([f"pretrain.{p}" for p in err.problems]) from None
-            key = hashlib.sha256(json.dumps([recipe_to_dict(sub), path_fingerprint(tok_dir)], sort_keys=True,
-                                            default=str).encode()).hexdigest()[:12]
+            key = digest(recipe_to_dict(sub), path_fingerprint(tok_dir))
             run_dir = Path(recipe.output_dir) / "stages" / f"{size_name}-{v.name}-{key}"
             sub.output_dir = str(run_dir / "run")
             runs.append(Run(size_name, v.name, v.kind, cfg, count_params(cfg), sub, key, run_dir))
@@ -105,8 +99,9 @@ def plan(recipe: SweepRecipe) -> list[Run]:
 
 
 def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                             "MASTER_PORT")}
+    from ecomla.distill.runtime import solo_env
+
+    env = solo_env()
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     return env
 

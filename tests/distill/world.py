@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -75,10 +74,10 @@ def command(recipe_path: Path, procs: int, *extra: str, launcher: str = "torchru
 
 
 def env() -> dict:
-    e = dict(os.environ)
+    from ecomla.distill.runtime import solo_env
+
+    e = solo_env()
     e.setdefault("OMP_NUM_THREADS", "1")
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        e.pop(key, None)
     return e
 
 
