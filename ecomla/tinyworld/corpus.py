@@ -36,7 +36,7 @@ _LAYOUT: dict[str, Layout] = {"stories": "prose", "records": "lines"}
 _MODULES = {"stories": stories, "records": records}
 # How often each skill's threads appear; stories state facts in passing, records in bulk.
 _SKILL_WEIGHTS = {
-    "stories": {Skill.RECALL: 1.0, Skill.TRACKING: 1.0, Skill.COUNTING: 1.0, Skill.FACTS: 0.6},
+    "stories": {Skill.RECALL: 1.0, Skill.TRACKING: 1.0, Skill.COUNTING: 1.0, Skill.FACTS: 1.0},
     "records": {Skill.RECALL: 1.0, Skill.TRACKING: 1.0, Skill.COUNTING: 1.0, Skill.FACTS: 1.0},
 }
 
@@ -75,6 +75,7 @@ def compose(
     threads = [rng.choice(module.THREADS[skill])(rng, world, cast) for skill in skills]
     if domain == "stories":
         threads += [stories.filler(rng, cast) for _ in range(rng.randint(1, 4))]
+    threads += [module.readback(rng, cast) for _ in range(rng.randint(0, 2))]
     steps: list[tuple[int, Step]] = [(-1, module.opening(rng, cast))]
     steps += interleave(threads, rng)
     if ending and domain == "stories" and rng.random() < 0.5:

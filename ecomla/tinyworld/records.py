@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 
+from ecomla.tinyworld.stories import echo_probe
 from ecomla.tinyworld.threads import (
     Cast,
     Probe,
@@ -19,6 +20,7 @@ from ecomla.tinyworld.threads import (
     Thread,
     number_distractors,
     pick_distractors,
+    readback_thread,
     relocation_thread,
 )
 from ecomla.tinyworld.world import GOODS, NAMES, UNITS, Attribute, City, World
@@ -43,31 +45,32 @@ LOCKER = (
     "The code of locker {k} is {v}.",
     "Locker {k} - code {v}.",
 )
-ASK_LOCKER = ("Code for locker {k}:", "Locker {k} opens with code", "Lookup: locker {k}, code")
-EXTENSION = ("{k}: extension {v}.", "Extension {v} belongs to {k}.", "{k} can be reached at extension {v}.")
-ASK_EXTENSION = ("Extension of {k}:", "To reach {k}, dial", "Phone {k} at extension")
+EXTENSION = ("{k}: extension {v}.", "Extension of {k}: {v}.", "{k} can be reached at extension {v}.")
 TICKET = ("Ticket {k} was issued to {v}.", "Ticket {k}: holder {v}.", "Ticket no. {k} belongs to {v}.")
-ASK_TICKET = ("Ticket {k} is held by", "Holder of ticket {k}:", "Who holds ticket {k}? Answer:")
 
 
-def _lookup(rng: random.Random, keys: list[str], values: list[str], pool: list[str], tell, ask) -> Thread:
-    """State key -> value lines, probe some along the way, end on a probe of a random stated key."""
+def _lookup(rng: random.Random, keys: list[str], values: list[str], pool: list[str], tell) -> Thread:
+    """State key -> value lines, look some up along the way, end on a lookup of a random stated key.
+
+    A lookup repeats the key's line up to its value, as a clerk reading the
+    entry back would ("Locker 56 uses code" -> "2254").
+    """
     thread = Thread(Skill.RECALL)
     lines: list[str] = []
 
     def probe(i: int) -> Probe:
         others = [v for j, v in enumerate(values) if j != i]
         rng.shuffle(others)
-        return Probe(
-            _say(rng, ask, k=keys[i]), values[i], pick_distractors(values[i], others, pool, rng), evidence=lines[i]
-        )
+        return echo_probe(lines[i], values[i], pick_distractors(values[i], others, pool, rng))
 
     for i, (key, value) in enumerate(zip(keys, values)):
         lines.append(_say(rng, tell, k=key, v=value))
         thread.add(lines[i])
-        if i and rng.random() < 0.2:
+        if i and rng.random() < 0.5:
             thread.add(probe(rng.randrange(i + 1)))
-    thread.add(probe(rng.randrange(len(keys))))
+    # a read-back of some entries, in a new order, as a clerk checking the list would
+    for i in rng.sample(range(len(keys)), rng.randint(1, len(keys))):
+        thread.add(probe(i))
     return thread
 
 
@@ -75,21 +78,21 @@ def locker_codes(rng: random.Random, world: World, cast: Cast) -> Thread:
     n = rng.randint(4, 8)
     keys = cast.claim(rng, "locker", _LOCKERS, n)
     values = [str(v) for v in rng.sample(range(1000, 10000), n + 4)]
-    return _lookup(rng, keys, values[:n], values[n:], LOCKER, ASK_LOCKER)
+    return _lookup(rng, keys, values[:n], values[n:], LOCKER)
 
 
 def extensions(rng: random.Random, world: World, cast: Cast) -> Thread:
     n = rng.randint(4, 7)
     keys = cast.claim(rng, "extension", NAMES, n)
     values = [str(v) for v in rng.sample(range(100, 1000), n + 4)]
-    return _lookup(rng, keys, values[:n], values[n:], EXTENSION, ASK_EXTENSION)
+    return _lookup(rng, keys, values[:n], values[n:], EXTENSION)
 
 
 def tickets(rng: random.Random, world: World, cast: Cast) -> Thread:
     n = rng.randint(4, 7)
     keys = cast.claim(rng, "ticket", _IDS, n)
     values = rng.sample(NAMES, n + 4)
-    return _lookup(rng, keys, values[:n], values[n:], TICKET, ASK_TICKET)
+    return _lookup(rng, keys, values[:n], values[n:], TICKET)
 
 
 # ---------------------------------------------------------------- tracking
@@ -144,15 +147,15 @@ def stock(rng: random.Random, world: World, cast: Cast) -> Thread:
     thread = Thread(Skill.COUNTING)
     goods = cast.claim(rng, "goods", GOODS, 2)
     units = {g: rng.choice(UNITS) for g in goods}
-    total = {g: rng.randint(5, 30) for g in goods}
+    total = {g: rng.randint(2, 12) for g in goods}
     stale: dict[str, list[int]] = {g: [] for g in goods}
     first = {}
     for g in goods:
         first[g] = _say(rng, OPEN, n=_count(total[g], units[g]), g=g)
         thread.add(first[g])
-    for _ in range(rng.randint(3, 6)):
+    for _ in range(rng.randint(1, 3)):
         g = rng.choice(goods)
-        k = rng.randint(1, 9)
+        k = rng.randint(1, 5)
         gain = total[g] - k < 0 or rng.random() < 0.5
         thread.add(_say(rng, IN if gain else OUT, k=_count(k, units[g]), g=g))
         stale[g].append(total[g])
@@ -249,6 +252,15 @@ THREADS = {
 
 HEADERS = ("Registry of {city}", "Ledger {n}, {city}", "Records of the {city} office", "Log book of {city}, page {n}",
            "Archive file {n}")  # fmt: skip
+
+
+MANIFEST = ("Manifest {n}: {x}.", "List {n}: {x}.", "Order {n}: {x}.")
+MANIFEST_BACK = ("Check of manifest {n}: {x}.", "List {n} checked: {x}.", "Order {n} confirmed: {x}.")
+
+
+def readback(rng: random.Random, cast: Cast) -> Thread:
+    n, k = rng.randint(1, 99), rng.randrange(3)
+    return readback_thread(rng, lambda x: MANIFEST[k].format(n=n, x=x), lambda x: MANIFEST_BACK[k].format(n=n, x=x))
 
 
 def opening(rng: random.Random, cast: Cast) -> str:

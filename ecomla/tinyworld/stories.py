@@ -19,6 +19,7 @@ from ecomla.tinyworld.threads import (
     Thread,
     number_distractors,
     pick_distractors,
+    readback_thread,
     relocation_thread,
 )
 from ecomla.tinyworld.world import (
@@ -114,32 +115,40 @@ def hand_to_hand(rng: random.Random, world: World, cast: Cast) -> Thread:
 TELL = ("{a} told {b} that the code for the {key} is {v}.", "The code for the {key} was {v}.",
         "{a} wrote down the code for the {key}: {v}.", "{b} learned that the {key} opens with {v}.",
         "A note said that the {key} needs the code {v}.")  # fmt: skip
-ASK = ("{b} opened the {key} with the code", "The code for the {key} is", "{a} typed the code for the {key}:",
-       "To open the {key}, {b} entered")  # fmt: skip
 NAME_PET = ("{a} had a {pet} called {v}.", "{a}'s {pet} was named {v}.",
             "The {pet} that lived with {a} was called {v}.", "{a} named the new {pet} {v}.")  # fmt: skip
-ASK_PET = ("{a}'s {pet} was called", "The name of {a}'s {pet} was", "{a} fed the {pet}, whose name was",
-           "{a} called the {pet} by its name,")  # fmt: skip
 
 
-def _recall(rng, thread, pairs: list[tuple[dict, str]], tell, ask, pool) -> None:
-    """State each (slots, value) pair, probe some along the way, end on a probe of a random stated pair."""
+def echo_probe(text: str, value: str, distractors: tuple[str, ...]) -> Probe:
+    """The probe that repeats a statement's own words up to its value (the value comes after a space)."""
+    cut = text.rfind(" " + value)
+    assert cut > 0, (text, value)
+    return Probe(text[:cut], value, distractors, suffix=text[cut + 1 + len(value) :], evidence=text)
+
+
+def _recall(rng, thread, pairs: list[tuple[dict, str]], tell, pool) -> None:
+    """State each (slots, value) pair, probe some along the way, end on a probe of a random stated pair.
+
+    A probe repeats its pair's statement up to the value ("Ann wrote down the
+    code for the red door:" -> "4817"), so answering it is finding that
+    statement among the 4-6 similar ones and copying what followed it.
+    """
     told: list[int] = []
     values = [v for _, v in pairs]
     texts: dict[int, str] = {}
 
     def probe(i: int) -> Probe:
-        slots, value = pairs[i]
         others = [values[j] for j in told if j != i] + [values[j] for j in range(len(pairs)) if j not in told]
-        return Probe(_say(rng, ask, **slots), value, pick_distractors(value, others, pool, rng), evidence=texts[i])
+        return echo_probe(texts[i], values[i], pick_distractors(values[i], others, pool, rng))
 
     for i, (slots, value) in enumerate(pairs):
         texts[i] = _say(rng, tell, v=value, **slots)
         thread.add(texts[i])
         told.append(i)
-        if len(told) > 1 and rng.random() < 0.25:
+        if len(told) > 1 and rng.random() < 0.5:
             thread.add(probe(rng.choice(told)))
-    thread.add(probe(rng.choice(told)))
+    for i in rng.sample(told, rng.randint(1, min(3, len(told)))):
+        thread.add(probe(i))
 
 
 def door_codes(rng: random.Random, world: World, cast: Cast) -> Thread:
@@ -151,7 +160,7 @@ def door_codes(rng: random.Random, world: World, cast: Cast) -> Thread:
     keys = cast.claim(rng, "lock", same_lock, n, every_key)
     codes = [str(c) for c in rng.sample(range(1000, 10000), n + 4)]
     pairs = [(dict(key=k, a=rng.choice(cast.people), b=rng.choice(cast.people)), c) for k, c in zip(keys, codes)]
-    _recall(rng, thread, pairs, TELL, ASK, codes[n:])
+    _recall(rng, thread, pairs, TELL, codes[n:])
     return thread
 
 
@@ -161,7 +170,7 @@ def pet_names(rng: random.Random, world: World, cast: Cast) -> Thread:
     owned = cast.claim(rng, "pet", [f"{a}/{pet}" for a in cast.people for pet in PETS], n)
     names = rng.sample([x for x in NAMES if x not in cast.people], n + 4)
     pairs = [(dict(zip(("a", "pet"), key.split("/"))), name) for key, name in zip(owned, names)]
-    _recall(rng, thread, pairs, NAME_PET, ASK_PET, names[n:])
+    _recall(rng, thread, pairs, NAME_PET, names[n:])
     return thread
 
 
@@ -181,12 +190,12 @@ def running_total(rng: random.Random, world: World, cast: Cast) -> Thread:
     forms = rng.choice(COUNTABLES)
     (a,) = cast.claim(rng, "tally", cast.people, 1, NAMES)
     others = [p for p in cast.people if p != a]
-    total = rng.randint(2, 9)
+    total = rng.randint(1, 6)
     first = _say(rng, START, a=a, n=_count(total, forms))
     thread.add(first)
     stale: list[int] = []
-    for _ in range(rng.randint(2, 4)):
-        k = rng.randint(1, 4)
+    for _ in range(rng.randint(1, 2)):
+        k = rng.randint(1, 3)
         gain = total - k < 0 or rng.random() < 0.5
         thread.add(_say(rng, GAIN if gain else LOSE, a=a, b=rng.choice(others), k=_count(k, forms)))
         stale.append(total)
@@ -282,6 +291,15 @@ def opening(rng: random.Random, cast: Cast) -> str:
 def filler(rng: random.Random, cast: Cast) -> Thread:
     a, b = rng.sample(cast.people, 2)
     return Thread(Skill.FILLER, [_say(rng, FILLERS, a=a, b=b)])
+
+
+LIST = ("{a} made a list: {x}.", "{a} wrote down: {x}.", "On the board {a} wrote: {x}.")
+LIST_BACK = ("{b} read the list back: {x}.", "{b} read it out: {x}.", "{b} copied it: {x}.")
+
+
+def readback(rng: random.Random, cast: Cast) -> Thread:
+    a, b = rng.sample(cast.people, 2)
+    return readback_thread(rng, lambda x: _say(rng, LIST, a=a, x=x), lambda x: _say(rng, LIST_BACK, b=b, x=x))
 
 
 def ending(rng: random.Random) -> str:

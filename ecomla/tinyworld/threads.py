@@ -101,6 +101,25 @@ class Cast:
         return picks
 
 
+def list_items(rng: random.Random, k: int) -> list[str]:
+    """`k` random entries of a list (names, things, goods and numbers mixed): nothing predicts them but a copy."""
+    from ecomla.tinyworld.world import GOODS, OBJECTS
+
+    pools = (NAMES, OBJECTS, GOODS, [str(n) for n in range(10, 1000)])
+    return [rng.choice(rng.choice(pools)) for _ in range(k)]
+
+
+def readback_thread(rng: random.Random, say: Callable[[str], str], back: Callable[[str], str]) -> Thread:
+    """A list written down, then read back word for word later in the document.
+
+    The read-back is predictable only by copying from the context, the plainest
+    signal a small model gets for learning to look back (the key -> value
+    probes build on it). It has no probe, so it never becomes an eval item.
+    """
+    entries = ", ".join(list_items(rng, rng.randint(6, 12)))
+    return Thread(Skill.FILLER, [say(entries), back(entries)])
+
+
 def interleave(threads: list[Thread], rng: random.Random) -> list[tuple[int, Step]]:
     """A uniformly random merge of the threads' steps that keeps each thread's order.
 
@@ -223,7 +242,7 @@ def relocation_thread(
 
     for thing in things:
         step(thing, rng.choice(places))
-    n_moves = rng.randint(1, 5)
+    n_moves = rng.randint(1, 3)
     while n_moves > 0 or len(mentioned) < min_places:
         thing = rng.choice(things)
         fresh = [p for p in places if p not in mentioned]
@@ -232,7 +251,7 @@ def relocation_thread(
             rng.choice(fresh if len(mentioned) < min_places and fresh else [p for p in places if p != loc[thing]]),
         )
         n_moves -= 1
-        if rng.random() < 0.15:
+        if rng.random() < 0.3:
             thread.add(probe(rng.choice(things)))
     moved = [t for t in things if past[t]]
     target = rng.choice(moved if moved and rng.random() < 0.8 else things)

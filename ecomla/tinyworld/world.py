@@ -96,7 +96,7 @@ class World:
     founders: tuple[str, ...]
 
     @classmethod
-    def build(cls, seed: int = WORLD_SEED, n_cities: int = 200, n_countries: int = 16, n_rivers: int = 32) -> World:
+    def build(cls, seed: int = WORLD_SEED, n_cities: int = 128, n_countries: int = 16, n_rivers: int = 32) -> World:
         rng = random.Random(f"tinyworld/world/{seed}")
         taken = {w.lower() for w in NAMES + OBJECTS + CONTAINERS + ROOMS + GOODS}
 
