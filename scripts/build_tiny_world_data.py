@@ -52,7 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--items",
         type=int,
         default=None,
-        help="Items per multiple-choice task (default: recall/tracking/counting 500, facts 800)",
+        help="Items per multiple-choice task (default: recall/tracking/counting 500, facts 512: every (city, attribute) pair)",
     )
     p.add_argument("--ppl-docs", type=int, default=PPL_DOCS, help="Held-out documents per perplexity task")
     p.add_argument(

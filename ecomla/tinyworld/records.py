@@ -258,9 +258,9 @@ MANIFEST = ("Manifest {n}: {x}.", "List {n}: {x}.", "Order {n}: {x}.")
 MANIFEST_BACK = ("Check of manifest {n}: {x}.", "List {n} checked: {x}.", "Order {n} confirmed: {x}.")
 
 
-def readback(rng: random.Random, cast: Cast) -> Thread:
+def readback(rng: random.Random, cast: Cast, long: bool = False) -> Thread:
     n, k = rng.randint(1, 99), rng.randrange(3)
-    return readback_thread(rng, lambda x: MANIFEST[k].format(n=n, x=x), lambda x: MANIFEST_BACK[k].format(n=n, x=x))
+    return readback_thread(rng, lambda x: MANIFEST[k].format(n=n, x=x), lambda x: MANIFEST_BACK[k].format(n=n, x=x), long)
 
 
 def opening(rng: random.Random, cast: Cast) -> str:

@@ -297,9 +297,9 @@ LIST = ("{a} made a list: {x}.", "{a} wrote down: {x}.", "On the board {a} wrote
 LIST_BACK = ("{b} read the list back: {x}.", "{b} read it out: {x}.", "{b} copied it: {x}.")
 
 
-def readback(rng: random.Random, cast: Cast) -> Thread:
+def readback(rng: random.Random, cast: Cast, long: bool = False) -> Thread:
     a, b = rng.sample(cast.people, 2)
-    return readback_thread(rng, lambda x: _say(rng, LIST, a=a, x=x), lambda x: _say(rng, LIST_BACK, b=b, x=x))
+    return readback_thread(rng, lambda x: _say(rng, LIST, a=a, x=x), lambda x: _say(rng, LIST_BACK, b=b, x=x), long)
 
 
 def ending(rng: random.Random) -> str:

@@ -109,14 +109,18 @@ def list_items(rng: random.Random, k: int) -> list[str]:
     return [rng.choice(rng.choice(pools)) for _ in range(k)]
 
 
-def readback_thread(rng: random.Random, say: Callable[[str], str], back: Callable[[str], str]) -> Thread:
+def readback_thread(
+    rng: random.Random, say: Callable[[str], str], back: Callable[[str], str], long: bool = False
+) -> Thread:
     """A list written down, then read back word for word later in the document.
 
     The read-back is predictable only by copying from the context, the plainest
     signal a small model gets for learning to look back (the key -> value
     probes build on it). It has no probe, so it never becomes an eval item.
     """
-    entries = ", ".join(list_items(rng, rng.randint(6, 12)))
+    # Entries are separated by spaces alone: after a comma every entry would follow the same token, and
+    # copying would need a two-token match before a one-token one was ever learned.
+    entries = " ".join(list_items(rng, rng.randint(12, 24) if long else rng.randint(6, 12)))
     return Thread(Skill.FILLER, [say(entries), back(entries)])
 
 

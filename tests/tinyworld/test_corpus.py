@@ -17,7 +17,7 @@ from collections import defaultdict
 
 import pytest
 
-from ecomla.tinyworld.corpus import DOMAINS, SPLITS, compose, document, iter_documents, iter_mixed
+from ecomla.tinyworld.corpus import DOMAINS, SPLITS, compose, document, iter_documents, iter_mixed, list_document
 from ecomla.tinyworld.threads import Probe, Skill
 from ecomla.tinyworld.world import LOCKS, default_world
 
@@ -137,3 +137,18 @@ def test_stock_balances_add_up():
                 assert stock[goods] == int(m.group(5)), line
                 checked += 1
     assert checked > 50
+
+
+@pytest.mark.parametrize("domain", DOMAINS)
+def test_lists_are_read_back_word_for_word_right_after_they_are_written(domain):
+    """A third of the documents (LIST_SHARE) are lists read back: the copying signal a small model learns first."""
+    world, lists = default_world(), 0
+    for index in range(60):
+        doc = list_document(random.Random(f"test/lists/{domain}/{index}"), world, domain)
+        steps = [step for _, step in doc.steps[1:]]  # after the opening line
+        assert len(steps) % 2 == 0 and len(steps) >= 4
+        for written, read in zip(steps[0::2], steps[1::2]):
+            entries = written.split(": ", 1)[1]
+            assert read.endswith(": " + entries) and len(entries.split(" ")) >= 12
+            lists += 1
+    assert lists >= 120

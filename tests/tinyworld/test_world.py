@@ -13,7 +13,7 @@ def test_world_is_a_function_of_its_seed():
 def test_names_are_distinct_and_new():
     world = default_world()
     made_up = [c.name for c in world.cities] + list(world.countries) + list(world.rivers)
-    assert len(world.cities) == 200 and len(set(made_up)) == len(made_up)
+    assert len(world.cities) == 128 and len(set(made_up)) == len(made_up)
     assert not {w.lower() for w in made_up} & {w.lower() for w in NAMES + GOODS}
     assert len(set(world.founders)) == len(world.founders)
 
