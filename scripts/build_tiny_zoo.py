@@ -51,7 +51,7 @@ def main() -> None:
     logs = work / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     py = sys.executable
-    docs = args.corpus_docs or (400 if args.quick else 100_000)
+    docs = args.corpus_docs or (400 if args.quick else 20_000)
     timings: dict[str, float] = {}
     data = [py, "scripts/build_tiny_world_data.py", "--tasks-out", str(work / "tasks-check"),
             "--tokenizer-out", str(work / "tokenizer")]
