@@ -58,13 +58,10 @@ def readback_nll(model, tokenizer, n_docs: int) -> dict:
         ids = torch.tensor([enc["input_ids"]])
         with torch.no_grad():
             logp = torch.log_softmax(model(ids).logits.float(), -1)[0]
-        spans, pos = [], 0
-        steps = [s for _, s in doc.steps]
-        for k, step in enumerate(steps):
-            start = doc.text.index(step, pos)
-            pos = start + len(step)
+        spans = []  # (kind, first char of the entries, end of the step); step 0 is the opening line
+        for k, ((_, step), end) in enumerate(zip(doc.steps, doc.offsets)):
             if k:  # entries start after the step's first ": "
-                spans.append(("written" if k % 2 else "read_back", start + step.index(": ") + 2, pos))
+                spans.append(("written" if k % 2 else "read_back", end - len(step) + step.index(": ") + 2, end))
         for t in range(1, ids.shape[1]):
             a = enc["offset_mapping"][t][0]
             for kind, lo, hi in spans:

@@ -80,7 +80,7 @@ def compose(
     # A list read back right after it is written: the plainest copying there is (see list_document)
     for _ in range(rng.randint(0, 2)):
         at = rng.randint(1, len(steps))
-        steps[at:at] = [(-1, step) for step in module.readback(rng, cast).steps]
+        steps[at:at] = [(-1, step) for step in module.readback(rng, cast)]
     if ending and domain == "stories" and rng.random() < 0.5:
         steps.append((-1, stories.ending(rng)))
     text, offsets = render([s for _, s in steps], _LAYOUT[domain], rng)
@@ -104,7 +104,7 @@ def list_document(rng: random.Random, world: World, domain: str) -> Document:
     cast = Cast.draw(rng, world)
     steps: list[tuple[int, Step]] = [(-1, module.opening(rng, cast))]
     for _ in range(rng.randint(2, 4)):
-        steps += [(-1, step) for step in module.readback(rng, cast, long=True).steps]
+        steps += [(-1, step) for step in module.readback(rng, cast, long=True)]
     text, offsets = render([s for _, s in steps], _LAYOUT[domain], rng)
     return Document(text, steps, [], offsets)
 

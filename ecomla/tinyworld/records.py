@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import random
 
-from ecomla.tinyworld.stories import echo_probe
+from ecomla.tinyworld import threads
 from ecomla.tinyworld.threads import (
     Cast,
     Probe,
     Skill,
     Thread,
+    echo_probe,
     number_distractors,
     pick_distractors,
-    readback_thread,
     relocation_thread,
 )
 from ecomla.tinyworld.world import GOODS, NAMES, UNITS, Attribute, City, World
@@ -258,9 +258,9 @@ MANIFEST = ("Manifest {n}: {x}.", "List {n}: {x}.", "Order {n}: {x}.")
 MANIFEST_BACK = ("Check of manifest {n}: {x}.", "List {n} checked: {x}.", "Order {n} confirmed: {x}.")
 
 
-def readback(rng: random.Random, cast: Cast, long: bool = False) -> Thread:
+def readback(rng: random.Random, cast: Cast, long: bool = False) -> tuple[str, str]:
     n, k = rng.randint(1, 99), rng.randrange(3)
-    return readback_thread(rng, lambda x: MANIFEST[k].format(n=n, x=x), lambda x: MANIFEST_BACK[k].format(n=n, x=x), long)
+    return threads.readback(rng, lambda x: MANIFEST[k].format(n=n, x=x), lambda x: MANIFEST_BACK[k].format(n=n, x=x), long)
 
 
 def opening(rng: random.Random, cast: Cast) -> str:

@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import random
 
+from ecomla.tinyworld import threads
 from ecomla.tinyworld.threads import (
     Cast,
     Probe,
     Skill,
     Thread,
+    echo_probe,
     number_distractors,
     pick_distractors,
-    readback_thread,
     relocation_thread,
 )
 from ecomla.tinyworld.world import (
@@ -117,13 +118,6 @@ TELL = ("{a} told {b} that the code for the {key} is {v}.", "The code for the {k
         "A note said that the {key} needs the code {v}.")  # fmt: skip
 NAME_PET = ("{a} had a {pet} called {v}.", "{a}'s {pet} was named {v}.",
             "The {pet} that lived with {a} was called {v}.", "{a} named the new {pet} {v}.")  # fmt: skip
-
-
-def echo_probe(text: str, value: str, distractors: tuple[str, ...]) -> Probe:
-    """The probe that repeats a statement's own words up to its value (the value comes after a space)."""
-    cut = text.rfind(" " + value)
-    assert cut > 0, (text, value)
-    return Probe(text[:cut], value, distractors, suffix=text[cut + 1 + len(value) :], evidence=text)
 
 
 def _recall(rng, thread, pairs: list[tuple[dict, str]], tell, pool) -> None:
@@ -297,9 +291,9 @@ LIST = ("{a} made a list: {x}.", "{a} wrote down: {x}.", "On the board {a} wrote
 LIST_BACK = ("{b} read the list back: {x}.", "{b} read it out: {x}.", "{b} copied it: {x}.")
 
 
-def readback(rng: random.Random, cast: Cast, long: bool = False) -> Thread:
+def readback(rng: random.Random, cast: Cast, long: bool = False) -> tuple[str, str]:
     a, b = rng.sample(cast.people, 2)
-    return readback_thread(rng, lambda x: _say(rng, LIST, a=a, x=x), lambda x: _say(rng, LIST_BACK, b=b, x=x), long)
+    return threads.readback(rng, lambda x: _say(rng, LIST, a=a, x=x), lambda x: _say(rng, LIST_BACK, b=b, x=x), long)
 
 
 def ending(rng: random.Random) -> str:

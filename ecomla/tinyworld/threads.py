@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Literal
 
-from ecomla.tinyworld.world import NAMES, City, World
+from ecomla.tinyworld.world import GOODS, NAMES, OBJECTS, City, World
 
 
 class Skill(str, Enum):
@@ -101,27 +101,35 @@ class Cast:
         return picks
 
 
+_NUMBERS = tuple(str(n) for n in range(10, 1000))
+
+
 def list_items(rng: random.Random, k: int) -> list[str]:
     """`k` random entries of a list (names, things, goods and numbers mixed): nothing predicts them but a copy."""
-    from ecomla.tinyworld.world import GOODS, OBJECTS
-
-    pools = (NAMES, OBJECTS, GOODS, [str(n) for n in range(10, 1000)])
+    pools = (NAMES, OBJECTS, GOODS, _NUMBERS)
     return [rng.choice(rng.choice(pools)) for _ in range(k)]
 
 
-def readback_thread(
+def readback(
     rng: random.Random, say: Callable[[str], str], back: Callable[[str], str], long: bool = False
-) -> Thread:
-    """A list written down, then read back word for word later in the document.
+) -> tuple[str, str]:
+    """A list written down and the step that reads it back word for word (placed right after it).
 
     The read-back is predictable only by copying from the context, the plainest
     signal a small model gets for learning to look back (the key -> value
-    probes build on it). It has no probe, so it never becomes an eval item.
+    probes build on it). Neither step is a probe, so it never becomes an eval item.
     """
     # Entries are separated by spaces alone: after a comma every entry would follow the same token, and
     # copying would need a two-token match before a one-token one was ever learned.
     entries = " ".join(list_items(rng, rng.randint(12, 24) if long else rng.randint(6, 12)))
-    return Thread(Skill.FILLER, [say(entries), back(entries)])
+    return say(entries), back(entries)
+
+
+def echo_probe(text: str, value: str, distractors: tuple[str, ...]) -> Probe:
+    """The probe that repeats a statement's own words up to its value (the value comes after a space)."""
+    cut = text.rfind(" " + value)
+    assert cut > 0, (text, value)
+    return Probe(text[:cut], value, distractors, suffix=text[cut + 1 + len(value) :], evidence=text)
 
 
 def interleave(threads: list[Thread], rng: random.Random) -> list[tuple[int, Step]]:
