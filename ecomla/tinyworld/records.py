@@ -2,7 +2,7 @@
 
 A record file has a header and interleaved entries: lookup tables (locker
 codes, phone extensions, ticket holders: recall), parcels and staff moving
-between cities (tracking), stock ledgers and visitor logs (counting), and
+between cities (tracking), visitor logs (counting), and
 encyclopedic entries, tables and Q/A lines about the world's cities (facts,
 the densest source of them). Records and stories share the world table and
 the skills but not their wording, so each is out-of-domain for the other.
@@ -19,11 +19,11 @@ from ecomla.tinyworld.threads import (
     Skill,
     Thread,
     echo_probe,
-    number_distractors,
     pick_distractors,
     relocation_thread,
+    tally_thread,
 )
-from ecomla.tinyworld.world import GOODS, NAMES, UNITS, Attribute, City, World
+from ecomla.tinyworld.world import NAMES, Attribute, City, World
 
 
 def _say(rng: random.Random, templates: tuple[str, ...], **slots) -> str:
@@ -102,12 +102,12 @@ PARCEL_AT = (
     "Parcel {k} registered in {dst}.",
     "Parcel {k}: received at {dst}.",
 )
-PARCEL_MOVE = ("Parcel {k} left {src} for {dst}.", "Parcel {k} arrived in {dst}.", "Parcel {k} was moved to {dst}.",
-               "Transfer: parcel {k}, {src} to {dst}.")  # fmt: skip
+# Moves name only the new place (see stories.MOVE).
+PARCEL_MOVE = ("Parcel {k} was forwarded to {dst}.", "Parcel {k} arrived in {dst}.", "Parcel {k} was moved to {dst}.",
+               "Transfer: parcel {k} to {dst}.")  # fmt: skip
 PARCEL_WHERE = ("Parcel {k} is now in", "Current location of parcel {k}:", "Status of parcel {k}: in")
 STAFF_AT = ("{k} joined the {dst} office.", "{k} works at the office in {dst}.", "New hire: {k}, office {dst}.")
-STAFF_MOVE = ("{k} was transferred from {src} to {dst}.", "{k} moved to the {dst} office.",
-              "Transfer: {k}, {src} to {dst}.")  # fmt: skip
+STAFF_MOVE = ("{k} was transferred to {dst}.", "{k} moved to the {dst} office.", "Transfer: {k} to {dst}.")
 STAFF_WHERE = ("{k} now works in", "Office of {k}:", "Current office of {k}:")
 
 
@@ -134,53 +134,16 @@ def staff(rng: random.Random, world: World, cast: Cast) -> Thread:
 
 # ---------------------------------------------------------------- counting
 
-OPEN = ("Opening stock: {n} of {g}.", "Stock of {g} at start: {n}.", "Counted {n} of {g} in the store.")
-IN = ("Received {k} of {g}.", "Delivered to store: {k} of {g}.", "Returned: {k} of {g}.")
-OUT = ("Shipped {k} of {g}.", "Sold {k} of {g}.", "Sent out {k} of {g}.")
-BALANCE = ("Stock of {g}:", "Balance of {g}:", "Remaining {g}:", "{G} left in the store:")
 VISIT = ("Visitor: {k}.", "Signed in: {k}.", "{k} signed the guest book.")
 VISITS = ("Visits by {k}:", "{k} signed in", "Number of visits by {k}:")
 
 
-def stock(rng: random.Random, world: World, cast: Cast) -> Thread:
-    """A ledger of two goods whose entries interleave; the probe asks the balance of one."""
-    thread = Thread(Skill.COUNTING)
-    goods = cast.claim(rng, "goods", GOODS, 2)
-    units = {g: rng.choice(UNITS) for g in goods}
-    total = {g: rng.randint(2, 12) for g in goods}
-    stale: dict[str, list[int]] = {g: [] for g in goods}
-    first = {}
-    for g in goods:
-        first[g] = _say(rng, OPEN, n=_count(total[g], units[g]), g=g)
-        thread.add(first[g])
-    for _ in range(rng.randint(1, 3)):
-        g = rng.choice(goods)
-        k = rng.randint(1, 5)
-        gain = total[g] - k < 0 or rng.random() < 0.5
-        thread.add(_say(rng, IN if gain else OUT, k=_count(k, units[g]), g=g))
-        stale[g].append(total[g])
-        total[g] += k if gain else -k
-    g = rng.choice([x for x in goods if stale[x]] or goods)
-    n = total[g]
-    thread.add(Probe(_say(rng, BALANCE, g=g, G=g.capitalize()), str(n), number_distractors(n, stale[g], rng),
-                     suffix=f" {units[g][0] if n == 1 else units[g][1]}.", evidence=first[g]))  # fmt: skip
-    return thread
-
-
 def visitors(rng: random.Random, world: World, cast: Cast) -> Thread:
-    thread = Thread(Skill.COUNTING)
     target, *others = cast.claim(rng, "visitor", NAMES, rng.randint(3, 4))
     log = [target] * rng.randint(1, 5) + [rng.choice(others) for _ in range(rng.randint(2, 5))]
     rng.shuffle(log)
-    first = None
-    for name in log:
-        text = _say(rng, VISIT, k=name)
-        first = first or (text if name == target else None)
-        thread.add(text)
-    n = log.count(target)
-    thread.add(Probe(_say(rng, VISITS, k=target), str(n), number_distractors(n, [len(log)], rng),
-                     suffix=" time." if n == 1 else " times.", evidence=first))  # fmt: skip
-    return thread
+    return tally_thread(rng, log, target, lambda name: _say(rng, VISIT, k=name), lambda: _say(rng, VISITS, k=target),
+                        lambda n: " time." if n == 1 else " times.")  # fmt: skip
 
 
 # ---------------------------------------------------------------- facts
@@ -246,7 +209,7 @@ def city_records(rng: random.Random, world: World, cast: Cast) -> Thread:
 THREADS = {
     Skill.TRACKING: (parcels, staff),
     Skill.RECALL: (locker_codes, extensions, tickets),
-    Skill.COUNTING: (stock, visitors),
+    Skill.COUNTING: (visitors,),
     Skill.FACTS: (city_records,),
 }
 

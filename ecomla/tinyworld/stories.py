@@ -3,7 +3,7 @@
 A story has a cast (4-5 people) and a home city from the world table. Its
 threads move objects between containers and people between rooms, pass
 things from hand to hand (tracking), tell door codes and pets' names (recall),
-count apples and fox sightings (counting), and mention facts about cities
+count fox and crow sightings (counting), and mention facts about cities
 (facts). Every construct has several wordings. `THREADS` maps each skill to
 its thread builders; `opening` and `filler` give the scenery around them.
 """
@@ -19,14 +19,13 @@ from ecomla.tinyworld.threads import (
     Skill,
     Thread,
     echo_probe,
-    number_distractors,
     pick_distractors,
     relocation_thread,
+    tally_thread,
 )
 from ecomla.tinyworld.world import (
     COLORS,
     CONTAINERS,
-    COUNTABLES,
     LOCKS,
     NAMES,
     OBJECTS,
@@ -56,14 +55,16 @@ def _article(word: str) -> str:
 
 PUT = ("{a} put the {obj} in the {dst}.", "{a} placed the {obj} in the {dst}.", "{a} left the {obj} in the {dst}.",
        "{a} hid the {obj} in the {dst}.", "The {obj} was in the {dst}.")  # fmt: skip
-MOVE = ("{a} moved the {obj} to the {dst}.", "{a} took the {obj} out of the {src} and put it in the {dst}.",
-        "Later, {a} carried the {obj} to the {dst}.", "{a} moved the {obj} from the {src} into the {dst}.",
+# A move names only where the thing goes: the old place right after the thing ("moved the bell from the jar
+# into the crate") is what a model that copies the word after the thing would answer.
+MOVE = ("{a} moved the {obj} to the {dst}.", "{a} took the {obj} and put it in the {dst}.",
+        "Later, {a} carried the {obj} to the {dst}.", "{a} moved the {obj} into the {dst}.",
         "{a} picked up the {obj} and dropped it in the {dst}.")  # fmt: skip
 WHERE_OBJ = ("The {obj} is now in the", "Where is the {obj}? It is in the",
              "{a} looked for the {obj} and found it in the", "{a} knew that the {obj} was in the")  # fmt: skip
 ENTER = ("{a} was in the {dst}.", "{a} sat in the {dst}.", "{a} waited in the {dst}.")
 GO = ("{a} went to the {dst}.", "{a} walked into the {dst}.", "{a} ran to the {dst}.",
-      "{a} left the {src} and went to the {dst}.", "{a} headed to the {dst}.")  # fmt: skip
+      "{a} got up and went to the {dst}.", "{a} headed to the {dst}.")  # fmt: skip
 WHERE_WHO = (
     "{a} is now in the",
     "Where is {a}? {a} is in the",
@@ -72,7 +73,7 @@ WHERE_WHO = (
 )
 HOLD = ("{a} had the {obj}.", "{a} found the {obj}.", "{a} was holding the {obj}.")
 GIVE = ("{a} gave the {obj} to {b}.", "{a} handed the {obj} to {b}.", "{a} passed the {obj} to {b}.",
-        "{b} took the {obj} from {a}.", "{b} got the {obj} from {a}.")  # fmt: skip
+        "From {a}, the {obj} went to {b}.", "{a} let {b} have the {obj}.")  # fmt: skip
 WHO_HAS = ("Now the {obj} is with", "The {obj} was now held by", "In the end, the {obj} belonged to",
            "Who has the {obj}? It is with")  # fmt: skip
 
@@ -170,51 +171,23 @@ def pet_names(rng: random.Random, world: World, cast: Cast) -> Thread:
 
 # ---------------------------------------------------------------- counting
 
-START = ("{a} had {n}.", "{a} started the day with {n}.", "In the morning, {a} had {n}.", "{a} kept {n} in a bag.")
-GAIN = ("{a} found {k}.", "{b} gave {a} {k}.", "{a} bought {k}.", "{a} picked up {k}.", "{a} got {k} from {b}.")
-LOSE = ("{a} gave {k} to {b}.", "{a} lost {k}.", "{a} sold {k}.", "{a} dropped {k}.")
-HOW_MANY = ("Now {a} has", "In the end, {a} had", "After that, {a} had", "How many {items} does {a} have? {a} has")
 SEE = ("{a} saw {an} {animal}.", "{a} spotted {an} {animal} near the {room}.", "{An} {animal} ran past {a}.")
 SEEN = ("How many {animals} did {a} see? {a} saw", "{a} counted the {animals}: there were",
         "The number of {animals} that {a} saw was")  # fmt: skip
 
 
-def running_total(rng: random.Random, world: World, cast: Cast) -> Thread:
-    thread = Thread(Skill.COUNTING)
-    forms = rng.choice(COUNTABLES)
-    (a,) = cast.claim(rng, "tally", cast.people, 1, NAMES)
-    others = [p for p in cast.people if p != a]
-    total = rng.randint(1, 6)
-    first = _say(rng, START, a=a, n=_count(total, forms))
-    thread.add(first)
-    stale: list[int] = []
-    for _ in range(rng.randint(1, 2)):
-        k = rng.randint(1, 3)
-        gain = total - k < 0 or rng.random() < 0.5
-        thread.add(_say(rng, GAIN if gain else LOSE, a=a, b=rng.choice(others), k=_count(k, forms)))
-        stale.append(total)
-        total += k if gain else -k
-    thread.add(Probe(_say(rng, HOW_MANY, a=a, items=forms[1]), str(total), number_distractors(total, stale, rng),
-                     suffix=f" {forms[0] if total == 1 else forms[1]}.", evidence=first))  # fmt: skip
-    return thread
-
-
 def sightings(rng: random.Random, world: World, cast: Cast) -> Thread:
-    thread = Thread(Skill.COUNTING)
     target, *others = rng.sample(SIGHTINGS, 3)
     (a,) = cast.claim(rng, "watcher", cast.people, 1, NAMES)
     seen = [target] * rng.randint(1, 5) + [rng.choice(others) for _ in range(rng.randint(1, 4))]
     rng.shuffle(seen)
-    first = None
-    for animal in seen:
+
+    def mention(animal: tuple[str, str]) -> str:
         an = _article(animal[0])
-        text = _say(rng, SEE, a=a, an=an, An=an.capitalize(), animal=animal[0], room=rng.choice(ROOMS))
-        first = first or (text if animal == target else None)
-        thread.add(text)
-    n = seen.count(target)
-    thread.add(Probe(_say(rng, SEEN, a=a, animals=target[1]), str(n), number_distractors(n, [len(seen)], rng),
-                     suffix=f" {target[0] if n == 1 else target[1]}.", evidence=first))  # fmt: skip
-    return thread
+        return _say(rng, SEE, a=a, an=an, An=an.capitalize(), animal=animal[0], room=rng.choice(ROOMS))
+
+    return tally_thread(rng, seen, target, mention, lambda: _say(rng, SEEN, a=a, animals=target[1]),
+                        lambda n: f" {target[0] if n == 1 else target[1]}.")  # fmt: skip
 
 
 # ---------------------------------------------------------------- facts
@@ -259,7 +232,7 @@ def city_facts(rng: random.Random, world: World, cast: Cast) -> Thread:
 THREADS = {
     Skill.TRACKING: (objects_in_containers, people_in_rooms, hand_to_hand),
     Skill.RECALL: (door_codes, pet_names),
-    Skill.COUNTING: (running_total, sightings),
+    Skill.COUNTING: (sightings,),
     Skill.FACTS: (city_facts,),
 }
 

@@ -263,12 +263,42 @@ def relocation_thread(
             rng.choice(fresh if len(mentioned) < min_places and fresh else [p for p in places if p != loc[thing]]),
         )
         n_moves -= 1
-        if rng.random() < 0.3:
-            thread.add(probe(rng.choice(things)))
+        if rng.random() < 0.5:  # a status check, half the time of the thing that just moved
+            thread.add(probe(thing if rng.random() < 0.5 else rng.choice(things)))
     moved = [t for t in things if past[t]]
     target = rng.choice(moved if moved and rng.random() < 0.8 else things)
     others = [t for t in things if t != target]
     for thing in rng.sample(others, min(len(others), rng.randint(0, 2))):
         step(thing, rng.choice([p for p in places if p not in (loc[thing], loc[target])]))
     thread.add(probe(target))
+    return thread
+
+
+def tally_thread(
+    rng: random.Random,
+    mentions: list[str],
+    target: str,
+    mention: Callable[[str], str],
+    ask: Callable[[], str],
+    unit: Callable[[int], str],
+) -> Thread:
+    """Mentions of several entities in a row; the thread ends asking how often `target` came up.
+
+    `mention(entity)` words one mention, `ask()` the question, `unit(n)` the text
+    after the count (" crows.", " times."). After some of the target's mentions a
+    count so far is stated as a probe too, so that training text shows counting
+    at every stage, not only once at the end of a thread.
+    """
+    thread = Thread(Skill.COUNTING)
+    n, first = 0, None
+    for i, entity in enumerate(mentions):
+        text = mention(entity)
+        thread.add(text)
+        if entity != target:
+            continue
+        n += 1
+        first = first or text
+        if target in mentions[i + 1 :] and rng.random() < 0.3:
+            thread.add(Probe(ask(), str(n), number_distractors(n, [i + 1], rng), suffix=unit(n), evidence=first))
+    thread.add(Probe(ask(), str(n), number_distractors(n, [len(mentions)], rng), suffix=unit(n), evidence=first))
     return thread
