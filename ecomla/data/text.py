@@ -3,9 +3,8 @@
 A text source is a local .jsonl/.json/.txt/.parquet file or a directory of
 them, read with Hugging Face `datasets` in streaming mode (nothing is cached),
 a hub dataset name when the machine is online, or the tiny world's endless
-generated corpus: `tinyworld:SPLIT` (both domains alternating),
-`tinyworld:SPLIT:DOMAIN` (one domain), or `tinyworld:SPLIT:lists` (list documents only, a
-copying warm-up), SPLIT one of train/calibration/heldout. `token_blocks` tokenizes
+generated corpus: `tinyworld:SPLIT` (both domains alternating) or
+`tinyworld:SPLIT:DOMAIN`, SPLIT one of train/calibration/heldout. `token_blocks` tokenizes
 documents in order, joins them with the EOS token and cuts (n, T) blocks.
 """
 
@@ -46,17 +45,13 @@ def is_endless(dataset: str | None) -> bool:
 
 
 def _tinyworld_rows(dataset: str) -> Iterator[dict]:
-    from ecomla.tinyworld.corpus import DOMAINS, SPLITS, iter_documents, iter_lists, iter_mixed
+    from ecomla.tinyworld.corpus import DOMAINS, SPLITS, iter_documents, iter_mixed
 
     parts = dataset[len(TINYWORLD):].split(":")
-    kinds = (*DOMAINS, "lists")
-    if len(parts) > 2 or parts[0] not in SPLITS or (len(parts) == 2 and parts[1] not in kinds):
-        raise DataError(f"{dataset}: expected tinyworld:SPLIT or tinyworld:SPLIT:KIND with SPLIT one of "
-                        f"{', '.join(SPLITS)} and KIND one of {', '.join(kinds)}")
-    if len(parts) == 1:
-        docs = iter_mixed(parts[0])
-    else:
-        docs = iter_lists(parts[0]) if parts[1] == "lists" else iter_documents(parts[1], parts[0])
+    if len(parts) > 2 or parts[0] not in SPLITS or (len(parts) == 2 and parts[1] not in DOMAINS):
+        raise DataError(f"{dataset}: expected tinyworld:SPLIT or tinyworld:SPLIT:DOMAIN with SPLIT one of "
+                        f"{', '.join(SPLITS)} and DOMAIN one of {', '.join(DOMAINS)}")
+    docs = iter_documents(parts[1], parts[0]) if len(parts) == 2 else iter_mixed(parts[0])
     return ({"text": text} for text in docs)
 
 

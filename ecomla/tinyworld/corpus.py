@@ -128,20 +128,6 @@ def iter_documents(
         yield document(domain, split, seed, index, world)
 
 
-def iter_lists(split: str, seed: int = 0, *, start: int = 0, world: World | None = None) -> Iterator[str]:
-    """Only list documents, both domains alternating: a copying warm-up before the pretraining mix.
-
-    A fresh model learns to copy from these within a few hundred steps, where
-    the mix (a third of it lists) takes a few thousand (see scripts/build_tiny_zoo.py).
-    """
-    check_split(split)
-    world = world or default_world()
-    for index in itertools.count(start):
-        for domain in DOMAINS:
-            rng = random.Random(f"tinyworld/{split}/{seed}/{domain}/lists/{index}")
-            yield list_document(rng, world, domain).text
-
-
 def iter_mixed(split: str, seed: int = 0, *, start: int = 0, world: World | None = None) -> Iterator[str]:
     """Both domains alternating (stories, records, stories, ...): the pretraining mix."""
     world = world or default_world()

@@ -23,7 +23,6 @@ from ecomla.tinyworld.corpus import (
     compose,
     document,
     iter_documents,
-    iter_lists,
     iter_mixed,
     list_document,
 )
@@ -153,12 +152,3 @@ def test_lists_are_read_back_word_for_word_right_after_they_are_written(domain):
             lists += 1
     assert lists >= 120
 
-
-def test_the_lists_stream_is_only_lists_and_differs_by_split():
-    """`tinyworld:SPLIT:lists`, the copying warm-up: every document is lists read back, none shared across splits."""
-    train = list(itertools.islice(iter_lists("train"), 40))
-    assert train == list(itertools.islice(iter_lists("train"), 40))  # deterministic
-    for text in train:
-        lines = re.findall(r": ((?:[^.:\s]+ ){11,}[^.:\s]+)\.", text)  # each list's entries, written then read back
-        assert len(lines) >= 4 and lines[0::2] == lines[1::2], text
-    assert not set(train) & set(itertools.islice(iter_lists("calibration"), 40))
