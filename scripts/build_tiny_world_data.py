@@ -38,6 +38,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--tokenizer-out", default=str(ROOT / ".cache" / "tinyworld" / "tokenizer"), help="Where the tokenizer is saved"
     )
+    p.add_argument("--no-tokenizer", action="store_true", help="Do not train the tokenizer (e.g. a second corpus dump)")
     p.add_argument("--vocab-size", type=int, default=2048, help="BPE vocabulary size, special tokens included")
     p.add_argument(
         "--tokenizer-docs", type=int, default=4000, help="Training documents the BPE is fitted on (half per domain)"
@@ -105,9 +106,10 @@ def main(argv: list[str] | None = None) -> None:
     check_no_leaks(counts, args.seed, args.leak_check_docs)
     for path in write_tasks(args.tasks_out, counts, args.ppl_docs, args.seed):
         print(f"{path}: {path.stat().st_size / 1e3:.0f} kB")
-    start = time.time()
-    tok_dir = train_tokenizer(args.tokenizer_out, args.vocab_size, args.tokenizer_docs)
-    print(f"tokenizer: {tok_dir} (vocab {args.vocab_size}, {time.time() - start:.1f}s)")
+    if not args.no_tokenizer:
+        start = time.time()
+        tok_dir = train_tokenizer(args.tokenizer_out, args.vocab_size, args.tokenizer_docs)
+        print(f"tokenizer: {tok_dir} (vocab {args.vocab_size}, {time.time() - start:.1f}s)")
     if args.corpus_docs:
         dump_corpus(Path(args.corpus_out), args.corpus_docs, args.corpus_splits)
 

@@ -5,10 +5,18 @@
 
 Steps, each timed: (1) the tiny world's tokenizer and a corpus dump
 (scripts/build_tiny_world_data.py) into .cache/tinyworld/; (2) `ecomla
-pretrain` of every recipe, one after the other (the base is also the 1x
-teacher, as X-EcoMLA's 1B teacher is its own base); (3) each final checkpoint
-re-saved as bf16 safetensors with the tokenizer into --out/<name>/. A
-build.json beside them records the commands, tokens, parameters and seconds.
+pretrain` of the base from scratch (it is also the 1x teacher, as X-EcoMLA's
+1B teacher is its own base); (3) each teacher *grown* from the trained base
+(ecomla.tinyworld.grow: wider, more heads, deeper, same function) to its
+recipe's shape, then `ecomla pretrain` from there with its recipe's budget;
+(4) each final checkpoint re-saved as bf16 safetensors with the tokenizer into
+--out/<name>/. A build.json beside them records the commands, tokens (the
+teachers' include the base's), parameters and seconds.
+
+Why grown: on 2 CPU cores an 8x model trained from scratch for the same
+minutes sees an eighth of the base's tokens, fewer than a tiny Llama needs
+before it learns to copy from its context at all (the README's tiny-world
+section), so it would end *below* the base.
 """
 
 from __future__ import annotations
@@ -57,7 +65,7 @@ def main() -> None:
             "--tokenizer-out", str(work / "tokenizer")]
     timings["data"] = run([*data, "--corpus-docs", str(docs), "--corpus-splits", "train",
                            "--corpus-out", str(work / "corpus" / "train")], logs / "data_train.log")
-    timings["data"] += run([*data, "--corpus-docs", str(max(100, docs // 100)), "--corpus-splits", "heldout",
+    timings["data"] += run([*data, "--no-tokenizer", "--corpus-docs", str(max(100, docs // 100)), "--corpus-splits", "heldout",
                             "--corpus-out", str(work / "corpus" / "heldout")], logs / "data_heldout.log")
     models = {}
     for name in MODELS:
@@ -69,17 +77,42 @@ def main() -> None:
         if args.quick:
             cmd += ["--set", "data.seq_len=128", "--set", "train.global_batch_tokens=2048", "--set", "train.total_tokens=4096",
                     "--set", "log.eval_every_steps=0", "--set", "log.eval_batches=1"]
-        timings[name] = run(cmd, logs / f"pretrain_{name}.log")
+        t0 = time.time()
+        base_tokens = 0
+        if name != "base":
+            grown = work / "zoo-runs" / f"{name}-grown"
+            grow_from_base(out / "base", recipe, grown)
+            cmd += ["--set", f"student={grown}", "--set", "student_config=null"]
+            base_tokens = models["base"]["tokens"]
+        timings[name] = time.time() - t0 + run(cmd, logs / f"pretrain_{name}.log")
         models[name] = export_bf16(run_dir / "final", out / name)
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-        models[name].update(tokens=rows[-1]["tokens"], final_ce=rows[-1].get("ce"), eval_ce=rows[-1].get("eval_ce"),
-                            command=" ".join(cmd[1:]), seconds=round(timings[name], 1))
+        models[name].update(tokens=base_tokens + rows[-1]["tokens"], own_tokens=rows[-1]["tokens"],
+                            grown_from="base" if base_tokens else None, final_ce=rows[-1].get("ce"),
+                            eval_ce=rows[-1].get("eval_ce"), command=" ".join(cmd[1:]), seconds=round(timings[name], 1))
         print(f"{name}: {models[name]['params'] / 1e6:.2f}M params, {models[name]['tokens']} tokens, "
               f"{timings[name]:.0f} s, eval CE {models[name]['eval_ce']}", flush=True)
     build = {"quick": args.quick, "corpus_docs_per_domain": docs, "seconds": {k: round(v, 1) for k, v in timings.items()},
              "total_seconds": round(sum(timings.values()), 1), "models": models}
     (out / "build.json").write_text(json.dumps(build, indent=2) + "\n")
     print(f"zoo built in {build['total_seconds'] / 60:.1f} min -> {out}")
+
+
+def grow_from_base(base: Path, recipe: str, dst: Path) -> None:
+    """The exported base grown (in float32) to the shape of `recipe`'s student_config, saved with its tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    import yaml
+
+    from ecomla.tinyworld.grow import grow_llama
+
+    shape = yaml.safe_load((ROOT / recipe).read_text())["student_config"]
+    shape.pop("model_type")
+    model = grow_llama(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), LlamaConfig(**shape))
+    shutil.rmtree(dst, ignore_errors=True)
+    model.save_pretrained(dst)
+    AutoTokenizer.from_pretrained(base).save_pretrained(dst)
 
 
 def export_bf16(src: Path, dst: Path) -> dict:
