@@ -117,6 +117,8 @@ def evaluate_model(model: EvalModel, recipe: EvalRecipe, suite: Suite, tm, cfg: 
         tasks[spec.task] = {
             "metric": metric, "value": float(res[f"{metric},none"]), "stderr": _stderr(res, metric),
             "average": spec.average, "higher_is_better": spec.higher_is_better,
+            "all_metrics": {k.split(",")[0]: float(v) for k, v in res.items()
+                            if k.endswith(",none") and "_stderr" not in k and isinstance(v, (int, float))},
             "version": out.get("versions", {}).get(spec.task),
             "n": out.get("n-samples", {}).get(spec.task, {}).get("effective"),
         }

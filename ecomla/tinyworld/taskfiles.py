@@ -41,6 +41,10 @@ _ABOUT = {
     "distractors are near misses.",
 }
 
+# The tasks' version (lm-eval metadata, shown in reports): bump it whenever the generated items change.
+# 2.0: tracking moves no longer name the old place; counting is tallies of mentions (no arithmetic).
+VERSION = "2.0"
+
 _MC_YAML = """{header}# {about}
 # Run: lm_eval --include_path eval/tasks --tasks {name} --model hf --model_args pretrained=CKPT
 task: {name}
@@ -62,7 +66,7 @@ metric_list:
     aggregation: mean
     higher_is_better: true
 metadata:
-  version: 1.0
+  version: {version}
 """
 
 _PPL_YAML = """{header}# Perplexity on {n} held-out `{domain}` documents of the tiny world.
@@ -87,7 +91,7 @@ metric_list:
     aggregation: bits_per_byte
     higher_is_better: false
 metadata:
-  version: 1.0
+  version: {version}
 """
 
 _GROUP_YAML = """{header}# Mean accuracy of the tiny world's four multiple-choice tasks (unweighted by size).
@@ -103,7 +107,7 @@ aggregate_metric_list:
     aggregation: mean
     weight_by_size: false
 metadata:
-  version: 1.0
+  version: {version}
 """
 
 
@@ -138,7 +142,7 @@ def write_tasks(
         name = mc_task_name(skill)
         _write_jsonl(out / f"{name}.jsonl", [it.to_json() for it in mc_items(skill, counts[skill], seed)])
         (out / f"{name}.yaml").write_text(
-            _MC_YAML.format(header=_HEADER, about=_ABOUT[skill], name=name, tag=TAG, loader=LOADER)
+            _MC_YAML.format(header=_HEADER, version=VERSION, about=_ABOUT[skill], name=name, tag=TAG, loader=LOADER)
         )
         written += [out / f"{name}.jsonl", out / f"{name}.yaml"]
     for domain in DOMAINS:
@@ -146,10 +150,10 @@ def write_tasks(
         docs = perplexity_documents(domain, ppl_docs, seed)
         _write_jsonl(out / f"{name}.jsonl", [{"id": f"{domain}-{i:04d}", "text": t} for i, t in enumerate(docs)])
         (out / f"{name}.yaml").write_text(
-            _PPL_YAML.format(header=_HEADER, n=ppl_docs, domain=domain, name=name, tag=TAG, loader=LOADER)
+            _PPL_YAML.format(header=_HEADER, version=VERSION, n=ppl_docs, domain=domain, name=name, tag=TAG, loader=LOADER)
         )
         written += [out / f"{name}.jsonl", out / f"{name}.yaml"]
     tasks = "\n".join(f"  - {mc_task_name(s)}" for s in MC_TASKS)
-    (out / f"{GROUP}.yaml").write_text(_GROUP_YAML.format(header=_HEADER, group=GROUP, tasks=tasks))
+    (out / f"{GROUP}.yaml").write_text(_GROUP_YAML.format(header=_HEADER, version=VERSION, group=GROUP, tasks=tasks))
     written.append(out / f"{GROUP}.yaml")
     return written

@@ -69,6 +69,7 @@ def test_eval_of_a_converted_checkpoint_loaded_by_path(models, tmp_path):
     # Per-task numbers and the average over the averaged tasks only.
     recall = mla["tasks"]["tinyworld_recall"]
     assert recall["metric"] == "acc_norm" and 0.0 <= recall["value"] <= 1.0 and recall["n"] == 3
+    assert set(recall["all_metrics"]) == {"acc", "acc_norm"} and recall["all_metrics"]["acc_norm"] == recall["value"]
     assert mla["tasks"]["tinyworld_ppl_records"]["value"] > 1.0
     assert mla["average"] == recall["value"]
     assert mla["lm_eval_version"] and recall["version"] is not None
