@@ -101,9 +101,8 @@ def main() -> None:
 def grow_from_base(base: Path, recipe: str, dst: Path) -> None:
     """The exported base grown (in float32) to the shape of `recipe`'s student_config, saved with its tokenizer."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
-
     import yaml
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
     from ecomla.tinyworld.grow import grow_llama
 

@@ -25,7 +25,8 @@ How the function is kept (old sizes h, I, L, n; new H, I', L', n'):
   adds nothing to the stream.
 
 Everything that multiplies the (zero) new stream dims or feeds a zeroed output
-keeps its random init, so training moves the new parts from the first step.
+keeps its random init, so training moves the new parts at once: a zeroed output
+gets a gradient at the first step, and what feeds it from the second (tested).
 """
 
 from __future__ import annotations
