@@ -16,7 +16,7 @@ from ecomla.distill import models
 from ecomla.distill.data import model_inputs, open_dataset, prepare_data
 from ecomla.distill.recipe import DistillRecipe
 from ecomla.distill.runtime import barrier, init_distributed
-from ecomla.distill.teacher import write_cache
+from ecomla.distill.teacher import teacher_dtype, write_cache
 
 
 def prepare(recipe: DistillRecipe, *, force: bool = False) -> list[Path]:
@@ -39,7 +39,7 @@ def teacher_cache(recipe: DistillRecipe, *, force: bool = False, progress: bool 
         raise FileExistsError(f"{out} already exists; pass --force to rebuild it")
     tok = models.load_tokenizer(recipe.tokenizer or recipe.student or recipe.teacher.model)
     data = open_dataset(recipe.data.train, tok, recipe.data.seq_len, "data.train", recipe.output_dir)
-    dtype = torch.bfloat16 if recipe.teacher.dtype == "bfloat16" else torch.float32
+    dtype = teacher_dtype(recipe)
     model = models.load_causal_lm(recipe.teacher.model, dtype, "teacher").eval().to(dist.device)
     tmp = out.with_name(f".{out.name}.tmp")
     if dist.is_main:

@@ -55,6 +55,14 @@ class LiveTeacher:
         return lambda s, e: TeacherDist.from_logits(head(rows[s:e]), self.temperature)
 
 
+def teacher_dtype(recipe) -> torch.dtype:
+    """The dtype the teacher runs in, live or for its cache; `auto` follows the run's precision."""
+    name = recipe.teacher.dtype
+    if name == "auto":
+        name = "bfloat16" if recipe.train.precision == "bf16" else "float32"
+    return torch.bfloat16 if name == "bfloat16" else torch.float32
+
+
 class CachedTeacher:
     """Top-k log-probs read from a cache directory written by `ecomla teacher-cache`."""
 

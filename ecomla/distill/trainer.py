@@ -46,7 +46,7 @@ from ecomla.distill.losses import KDLoss, LossSpec, chunked_loss
 from ecomla.distill.monitor import RunLog
 from ecomla.distill.recipe import DistillRecipe
 from ecomla.distill.runtime import Dist, all_reduce_max, all_reduce_sum, barrier, init_distributed
-from ecomla.distill.teacher import CachedTeacher, LiveTeacher
+from ecomla.distill.teacher import CachedTeacher, LiveTeacher, teacher_dtype
 from ecomla.recipe.schema import recipe_to_dict, save_recipe
 
 
@@ -167,8 +167,7 @@ class DistillRun:
         self.teacher = None
         if self.spec.uses_teacher:
             if r.teacher.source == "live":
-                t_dtype = self.dtype if r.teacher.dtype == "auto" else {"float32": torch.float32, "bfloat16": torch.bfloat16}[r.teacher.dtype]
-                teacher_model = models.load_causal_lm(r.teacher.model, t_dtype, "teacher").eval().requires_grad_(False)
+                teacher_model = models.load_causal_lm(r.teacher.model, teacher_dtype(r), "teacher").eval().requires_grad_(False)
                 t_tok = models.load_tokenizer(r.teacher.model)
                 problems = models.check_pair(student.config, teacher_model.config, self.tokenizer, t_tok)
                 if problems:

@@ -1,12 +1,16 @@
 """`ecomla run`: convert → distill → eval → report, with every stage cached by a hash of what it computes.
 
 Stages, in order:
-  convert   one per (ratio, init): the base converted to MLA, no training;
-  distill   one per ratio and teacher in distill_teachers for the main init,
-            and one per ratio from baseline_teacher for every other init;
-  eval      every model (base, teachers, converted and distilled students)
-            through `ecomla eval` (results reused per model);
-  report    the table and the chart (`ecomla report <output_dir>/eval`).
+  convert         one per (ratio, init): the base converted to MLA, no training;
+  teacher-cache   with `distill.teacher.source: cache` only, one per teacher
+                  used: its top-k log-probs over the distillation data, so
+                  each teacher runs once rather than once per student;
+  distill         one per ratio and teacher in distill_teachers for the main
+                  init, and one per ratio from baseline_teacher for every
+                  other init;
+  eval            every model (base, teachers, converted and distilled
+                  students) through `ecomla eval` (results reused per model);
+  report          the table and the chart (`ecomla report <output_dir>/eval`).
 
 A stage's key hashes its resolved sub-recipe (output paths left out) and the
 fingerprints of its inputs (the source checkpoint's files, the teacher's, the
@@ -17,8 +21,9 @@ the stages whose key changed (and what depends on them), and an interrupted
 distillation resumes from its last checkpoint (same key, same directory).
 
 Under a launcher (`deepspeed --module ecomla.run`, `torchrun -m ecomla.run`)
-every rank takes part in the distillations; rank 0 alone converts (the
-others wait) and evaluates (the others exit after the last distillation).
+every rank takes part in the teacher caches and distillations; rank 0 alone
+converts (the others wait) and evaluates (the others exit after the last
+distillation).
 The run directory must be on a file system all ranks share.
 """
 
@@ -41,7 +46,7 @@ from ecomla.run.recipe import RunRecipe
 
 @dataclass
 class Stage:
-    kind: str  # convert | distill
+    kind: str  # convert | teacher-cache | distill
     label: str
     recipe: Any  # ConvertRecipe | DistillRecipe
     key: str
@@ -54,7 +59,7 @@ class Stage:
 
     @property
     def model_dir(self) -> Path:
-        return self.dir / ("model" if self.kind == "convert" else "run/final")
+        return self.dir / {"convert": "model", "teacher-cache": "cache", "distill": "run/final"}[self.kind]
 
     def done(self) -> bool:
         return recorded_key(self.done_file) == self.key
@@ -85,6 +90,22 @@ def _data_fingerprints(distill) -> list[str]:
     return out
 
 
+def _teacher_source(distill: dict) -> str:
+    teacher = distill.get("teacher")
+    return teacher.get("source", "live") if isinstance(teacher, dict) else "live"
+
+
+def _cache_inputs(sub) -> dict:
+    """What a teacher cache depends on besides the checkpoints and the data files: not the training schedule."""
+    from ecomla.distill.teacher import teacher_dtype
+
+    d = recipe_to_dict(sub)
+    teacher = {k: v for k, v in d["teacher"].items() if k not in ("model", "cache_dir")}
+    teacher["dtype"] = str(teacher_dtype(sub))
+    return {"tokenizer": d.get("tokenizer"), "data": {k: v for k, v in d["data"].items() if k != "eval"},
+            "teacher": teacher, "temperature": d["loss"]["temperature"]}
+
+
 def plan(recipe: RunRecipe) -> list[Stage]:
     """Every convert and distill stage, resolved and keyed; recipe problems raise before anything runs."""
     from ecomla.convert.recipe import ConvertRecipe
@@ -104,6 +125,19 @@ def plan(recipe: RunRecipe) -> list[Stage]:
             sub.output_dir = str(stage.model_dir)
             stages.append(stage)
             converted[ratio, init] = stage
+    caches: dict[str, Stage] = {}
+    if _teacher_source(recipe.distill) == "cache":
+        for teacher in recipe.used_teachers:
+            label = f"teacher-cache-{teacher}"
+            fills = {"student": recipe.base, "teacher.model": recipe.teachers[teacher], "teacher.cache_dir": "x",
+                     "output_dir": ""}
+            sub = _sub_recipe(DistillRecipe, "distill", recipe.distill, fills)
+            key = digest("teacher-cache", _cache_inputs(sub), base_fp, path_fingerprint(recipe.teachers[teacher]),
+                         _data_fingerprints(sub))
+            stage = Stage("teacher-cache", label, sub, key, out / f"{label}-{key}", {"teacher": teacher})
+            sub.teacher.cache_dir, sub.output_dir = str(stage.model_dir), str(stage.dir)
+            stages.append(stage)
+            caches[teacher] = stage
     for ratio in recipe.ratios:
         for init in recipe.inits:
             teachers = recipe.distill_teachers if init == recipe.main_init else [recipe.baseline]
@@ -111,11 +145,15 @@ def plan(recipe: RunRecipe) -> list[Stage]:
                 src = converted[ratio, init]
                 label = f"distill-{format_ratio(ratio)}-{init}-{teacher}"
                 fills = {"student": str(src.model_dir), "teacher.model": recipe.teachers[teacher], "output_dir": ""}
+                cache = caches.get(teacher)
+                if cache is not None:
+                    fills["teacher.cache_dir"] = str(cache.model_dir)
                 sub = _sub_recipe(DistillRecipe, "distill", recipe.distill, fills)
                 as_dict = recipe_to_dict(sub)
                 as_dict.pop("student")
+                as_dict["teacher"].pop("cache_dir")  # a path under output_dir; the cache's key stands for it
                 key = digest("distill", as_dict, src.key, path_fingerprint(recipe.teachers[teacher]),
-                              _data_fingerprints(sub))
+                              _data_fingerprints(sub), cache.key if cache is not None else None)
                 stage = Stage("distill", label, sub, key, out / f"{label}-{key}",
                               {"ratio": ratio, "init": init, "teacher": teacher, "after": src.label})
                 sub.output_dir = str(stage.dir / "run")
@@ -131,6 +169,11 @@ def _run_stage(stage: Stage, progress: bool) -> None:
 
         # The converter writes atomically: a half-done conversion leaves nothing, so start over.
         Converter(make_plan(stage.recipe, force=True), force=True, progress=progress).run()
+    elif stage.kind == "teacher-cache":
+        from ecomla.distill.jobs import teacher_cache
+
+        # Written to a temporary directory and renamed when whole, so an interrupted cache starts over.
+        teacher_cache(stage.recipe, force=True, progress=progress)
     else:
         from ecomla.distill.trainer import run as distill
 
@@ -144,6 +187,8 @@ def eval_models(recipe: RunRecipe, stages: list[Stage]) -> list[dict]:
         if path != recipe.base:
             models.append({"name": name, "path": path, "role": "teacher"})
     for s in stages:
+        if s.kind == "teacher-cache":
+            continue
         entry = {"name": s.label.removeprefix("distill-"), "path": str(s.model_dir), "role": "student",
                  "init": s.info["init"]}
         if s.kind == "convert":
@@ -197,7 +242,7 @@ def run(recipe: RunRecipe, *, force: bool = False, progress: bool = True) -> Pat
             continue
         say(f"{what}: running -> {stage.dir}")
         t0 = time.time()
-        if is_main or stage.kind == "distill":
+        if is_main or stage.kind != "convert":
             _run_stage(stage, progress and is_main)
         seconds = round(time.time() - t0, 1)
         if is_main:

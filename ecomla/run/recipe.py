@@ -18,7 +18,7 @@ from ecomla.recipe.schema import knob
 # Keys of the sub-recipes that `ecomla run` sets for each stage; a recipe that sets them is refused.
 FILLED = {
     "convert": ("model", "output_dir", "mla.kv_lora_rank", "mla.target_compression", "init.method"),
-    "distill": ("student", "teacher.model", "output_dir"),
+    "distill": ("student", "teacher.model", "teacher.cache_dir", "output_dir"),
     "eval": ("models", "output_dir"),
 }
 
@@ -78,3 +78,9 @@ class RunRecipe:
     @property
     def baseline(self) -> str:
         return self.baseline_teacher or self.distill_teachers[-1]
+
+    @property
+    def used_teachers(self) -> list[str]:
+        """The teachers some student is distilled from, in the order of `teachers`."""
+        used = set(self.distill_teachers) | ({self.baseline} if len(self.inits) > 1 else set())
+        return [t for t in self.teachers if t in used]

@@ -66,6 +66,41 @@ def test_plan_stages_and_keys(world, tmp_path):
     assert stages[4].recipe.teacher.model == str(world["teacher"])
 
 
+def with_cache(recipe: RunRecipe, **teacher) -> dict:
+    return {**recipe.distill, "teacher": {"source": "cache", **teacher}}
+
+
+def test_plan_with_a_teacher_cache(world, tmp_path):
+    live = run_recipe(world, tmp_path / "r", distill_teachers=["self", "big"])
+    stages = plan(run_recipe(world, tmp_path / "r", distill_teachers=["self", "big"], distill=with_cache(live)))
+    labels = [s.label for s in stages]
+    # one cache per teacher used (the random students use big, the baseline), before any distillation
+    assert labels[4:6] == ["teacher-cache-self", "teacher-cache-big"]
+    assert [s.kind for s in stages[6:]] == ["distill"] * 6
+    caches = {s.info["teacher"]: s for s in stages[4:6]}
+    for s in stages[6:]:
+        assert s.recipe.teacher.source == "cache"
+        assert s.recipe.teacher.cache_dir == str(caches[s.info["teacher"]].model_dir)
+    assert caches["big"].recipe.teacher.model == str(world["teacher"])
+    assert caches["big"].recipe.output_dir == str(caches["big"].dir)
+
+    def keys(**teacher_and_train):
+        train = teacher_and_train.pop("train", {})
+        d = with_cache(live, **teacher_and_train)
+        d["train"] = {**d["train"], **train}
+        return {s.label: s.key for s in plan(run_recipe(world, tmp_path / "r", distill_teachers=["self", "big"],
+                                                           distill=d))}
+
+    base = keys()
+    lr = keys(train={"lr": 5e-4})  # the schedule is not an input of the cache
+    assert lr["teacher-cache-big"] == base["teacher-cache-big"]
+    assert all(lr[k] != base[k] for k in base if k.startswith("distill"))
+    topk = keys(cache_topk=8)  # what the cache holds is
+    assert topk["teacher-cache-big"] != base["teacher-cache-big"]
+    assert all(topk[k] != base[k] for k in base if k.startswith("distill"))
+    assert all(topk[k] == base[k] for k in base if k.startswith("convert"))
+
+
 def test_recipe_problems(world, tmp_path):
     with pytest.raises(RecipeError) as err:
         run_recipe(world, tmp_path / "r", ratios=[0.5], distill_teachers=["huge"], inits=["svd", "pca"],
@@ -73,6 +108,8 @@ def test_recipe_problems(world, tmp_path):
     text = str(err.value)
     assert "ratios" in text and "'huge' is not a key of teachers" in text and "'pca'" in text
     assert "convert.model: set by `ecomla run`" in text
+    with pytest.raises(RecipeError, match=r"distill\.teacher\.cache_dir: set by `ecomla run`"):
+        run_recipe(world, tmp_path / "r", distill={"teacher": {"source": "cache", "cache_dir": "c"}})
     bad = run_recipe(world, tmp_path / "r", convert={"mla": {"qk_rope_head_dim": 8, "rank": 3}})
     with pytest.raises(RecipeError, match=r"convert\.mla\.rank: unknown key"):
         plan(bad)
@@ -104,6 +141,23 @@ def test_run_reuses_stages_and_reruns_only_what_changed(world, tmp_path, capsys)
     after = {p.name: p.stat().st_mtime_ns for p in (eval_dir / "results").glob("*.json")}
     assert after["4x-svd-big.json"] != stamps[eval_dir / "results" / "4x-svd-big.json"]
     assert after["base.json"] == stamps[eval_dir / "results" / "base.json"]
+
+
+@pytest.mark.slow
+def test_run_with_a_teacher_cache(world, tmp_path, capsys):
+    out = tmp_path / "r"
+    live = run_recipe(world, out, ratios=[4.0], inits=["svd"])
+    recipe = run_recipe(world, out, ratios=[4.0], inits=["svd"], distill=with_cache(live))
+    run(recipe, progress=False)
+    log = capsys.readouterr().out
+    assert "[2/4] teacher-cache-big: done in" in log and "[3/4] distill-4x-svd-big: done in" in log
+    cache, distill = plan(recipe)[1:]
+    assert (cache.model_dir / "meta.json").is_file()
+    assert json.loads((cache.model_dir / "meta.json").read_text())["teacher"] == str(world["teacher"])
+    metrics = [json.loads(line) for line in (Path(distill.recipe.output_dir) / "metrics.jsonl").read_text().splitlines()]
+    assert metrics[-1]["step"] == 3 and all(m["kd"] > 0 for m in metrics if "kd" in m)
+    run(recipe, progress=False)
+    assert capsys.readouterr().out.count(": reused") == 3
 
 
 @pytest.mark.slow
