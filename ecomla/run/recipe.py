@@ -34,7 +34,10 @@ class RunRecipe:
     )
     ratios: list[float] = knob(help="KV compression ratios to convert to (each r_kv is rounded to the nearest integer)")
     distill_teachers: list[str] = knob(help="Teachers the main init's students are distilled from, at every ratio")
-    distill: dict[str, Any] = knob(help="An `ecomla distill` recipe without student, teacher.model, output_dir")
+    distill: dict[str, Any] = knob(
+        help="An `ecomla distill` recipe without student, teacher.model, teacher.cache_dir, output_dir "
+        "(teacher.source: cache adds a teacher-cache stage per teacher)"
+    )
     inits: list[str] = knob(
         default_factory=lambda: ["svd", "random"],
         help="Latent init methods (svd, activation, random); the first is the main one, the others are baselines",
