@@ -8,9 +8,9 @@ drawn at random from the tiny world's word pools, so the first half is
 unpredictable and the second half is predictable only by copying. A model is
 counted as copying at the first logged step where its loss on the second half
 falls below 1 nat per token (it starts near ln(pool size) ~ 5). The model is
-the zoo base's shape (`recipes/pretrain/tiny_base.yaml`: hidden 128, 4 layers,
-4 heads of 64, 2 KV heads, tied embeddings) with Hugging Face's default init
-except `initializer_range`; AdamW at lr 3e-3, batch 16 x 2 x 24 words.
+the zoo base's shape, read from `--recipe` (`recipes/pretrain/tiny_base.yaml`:
+hidden 128, 4 layers, 4 heads of 64, 2 KV heads, tied embeddings), with each
+`initializer_range` tried in turn; AdamW at lr 3e-3, batch 16 x 2 x 24 words.
 This is why the zoo recipes set `initializer_range: 0.06`.
 """
 
@@ -20,8 +20,10 @@ import argparse
 import json
 import random
 import time
+from pathlib import Path
 
 import torch
+import yaml
 
 
 def main() -> None:
@@ -29,13 +31,16 @@ def main() -> None:
     ap.add_argument("--inits", type=float, nargs="+", default=[0.02, 0.06], help="initializer_range values")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--steps", type=int, default=700, help="Give up after this many steps")
-    ap.add_argument("--tokenizer", default=".cache/tinyworld/tokenizer")
+    ap.add_argument("--tokenizer", default="zoo/base", help="The tiny world tokenizer (default: the committed base's)")
+    ap.add_argument("--recipe", default="recipes/pretrain/tiny_base.yaml", help="Its student_config is the shape")
     args = ap.parse_args()
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from ecomla.tinyworld.world import COLORS, GOODS, NAMES, OBJECTS, ROOMS
 
     tok = AutoTokenizer.from_pretrained(args.tokenizer)
+    shape = yaml.safe_load(Path(args.recipe).read_text())["student_config"]
+    shape.pop("model_type")
     words = list(NAMES + OBJECTS + GOODS + ROOMS + COLORS)
     torch.set_num_threads(2)
     results = []
@@ -43,9 +48,7 @@ def main() -> None:
         for seed in args.seeds:
             torch.manual_seed(seed)
             rng = random.Random(seed)
-            cfg = LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-                              num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True,
-                              initializer_range=init)  # fmt: skip
+            cfg = LlamaConfig(**{**shape, "vocab_size": len(tok), "initializer_range": init})
             model = LlamaForCausalLM(cfg)
             opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
             onset, t0, second = None, time.time(), float("nan")
