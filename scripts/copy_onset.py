@@ -34,13 +34,13 @@ def main() -> None:
     ap.add_argument("--tokenizer", default="zoo/base", help="The tiny world tokenizer (default: the committed base's)")
     ap.add_argument("--recipe", default="recipes/pretrain/tiny_base.yaml", help="Its student_config is the shape")
     args = ap.parse_args()
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer
 
+    from ecomla.distill.models import build_from_config
     from ecomla.tinyworld.world import COLORS, GOODS, NAMES, OBJECTS, ROOMS
 
     tok = AutoTokenizer.from_pretrained(args.tokenizer)
     shape = yaml.safe_load(Path(args.recipe).read_text())["student_config"]
-    shape.pop("model_type")
     words = list(NAMES + OBJECTS + GOODS + ROOMS + COLORS)
     torch.set_num_threads(2)
     results = []
@@ -48,8 +48,7 @@ def main() -> None:
         for seed in args.seeds:
             torch.manual_seed(seed)
             rng = random.Random(seed)
-            cfg = LlamaConfig(**{**shape, "vocab_size": len(tok), "initializer_range": init})
-            model = LlamaForCausalLM(cfg)
+            model = build_from_config({**shape, "vocab_size": len(tok), "initializer_range": init}, torch.float32)
             opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
             onset, t0, second = None, time.time(), float("nan")
             for step in range(1, args.steps + 1):

@@ -125,6 +125,9 @@ def plan(recipe: RunRecipe) -> list[Stage]:
             sub.output_dir = str(stage.model_dir)
             stages.append(stage)
             converted[ratio, init] = stage
+    # Each teacher's files and the training data are fingerprinted once, not once per stage that uses them.
+    teacher_fp = {t: path_fingerprint(recipe.teachers[t]) for t in recipe.used_teachers}
+    data_fp: list[str] | None = None
     caches: dict[str, Stage] = {}
     if _teacher_source(recipe.distill) == "cache":
         for teacher in recipe.used_teachers:
@@ -132,16 +135,15 @@ def plan(recipe: RunRecipe) -> list[Stage]:
             fills = {"student": recipe.base, "teacher.model": recipe.teachers[teacher], "teacher.cache_dir": "x",
                      "output_dir": ""}
             sub = _sub_recipe(DistillRecipe, "distill", recipe.distill, fills)
-            key = digest("teacher-cache", _cache_inputs(sub), base_fp, path_fingerprint(recipe.teachers[teacher]),
-                         _data_fingerprints(sub))
+            data_fp = data_fp or _data_fingerprints(sub)
+            key = digest("teacher-cache", _cache_inputs(sub), base_fp, teacher_fp[teacher], data_fp)
             stage = Stage("teacher-cache", label, sub, key, out / f"{label}-{key}", {"teacher": teacher})
             sub.teacher.cache_dir, sub.output_dir = str(stage.model_dir), str(stage.dir)
             stages.append(stage)
             caches[teacher] = stage
     for ratio in recipe.ratios:
         for init in recipe.inits:
-            teachers = recipe.distill_teachers if init == recipe.main_init else [recipe.baseline]
-            for teacher in teachers:
+            for teacher in recipe.teachers_for(init):
                 src = converted[ratio, init]
                 label = f"distill-{format_ratio(ratio)}-{init}-{teacher}"
                 fills = {"student": str(src.model_dir), "teacher.model": recipe.teachers[teacher], "output_dir": ""}
@@ -152,8 +154,9 @@ def plan(recipe: RunRecipe) -> list[Stage]:
                 as_dict = recipe_to_dict(sub)
                 as_dict.pop("student")
                 as_dict["teacher"].pop("cache_dir")  # a path under output_dir; the cache's key stands for it
-                key = digest("distill", as_dict, src.key, path_fingerprint(recipe.teachers[teacher]),
-                              _data_fingerprints(sub), cache.key if cache is not None else None)
+                data_fp = data_fp or _data_fingerprints(sub)
+                key = digest("distill", as_dict, src.key, teacher_fp[teacher], data_fp,
+                             cache.key if cache is not None else None)
                 stage = Stage("distill", label, sub, key, out / f"{label}-{key}",
                               {"ratio": ratio, "init": init, "teacher": teacher, "after": src.label})
                 sub.output_dir = str(stage.dir / "run")

@@ -82,8 +82,13 @@ class RunRecipe:
     def baseline(self) -> str:
         return self.baseline_teacher or self.distill_teachers[-1]
 
+    def teachers_for(self, init: str) -> list[str]:
+        """The teachers the students of `init` are distilled from: all of distill_teachers for the main init,
+        baseline_teacher alone for the others (the same budget)."""
+        return self.distill_teachers if init == self.main_init else [self.baseline]
+
     @property
     def used_teachers(self) -> list[str]:
         """The teachers some student is distilled from, in the order of `teachers`."""
-        used = set(self.distill_teachers) | ({self.baseline} if len(self.inits) > 1 else set())
+        used = {t for init in self.inits for t in self.teachers_for(init)}
         return [t for t in self.teachers if t in used]
