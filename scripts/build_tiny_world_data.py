@@ -71,6 +71,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--corpus-splits", nargs="+", default=list(SPLITS), choices=SPLITS, help="Splits dumped by --corpus-docs"
     )
+    p.add_argument(
+        "--corpus-without",
+        nargs="+",
+        default=[],
+        choices=[s.value for s in MC_TASKS],
+        help="Leave these skills' threads out of the --corpus-docs dump (the zoo base's first phase: tracking)",
+    )
     return p.parse_args(argv)
 
 
@@ -85,14 +92,14 @@ def check_no_leaks(counts: dict[Skill, int], seed: int, n_docs: int) -> None:
     print(f"leak check: no recall/tracking/counting item in {len(train)} training documents")
 
 
-def dump_corpus(out_dir: Path, n_docs: int, splits: list[str]) -> None:
+def dump_corpus(out_dir: Path, n_docs: int, splits: list[str], without: frozenset[Skill] = frozenset()) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     for split in splits:
         for domain in DOMAINS:
             path = out_dir / f"{domain}_{split}.jsonl"
             start, chars = time.time(), 0
             with open(path, "w", encoding="utf-8") as f:
-                for text in itertools.islice(iter_documents(domain, split, 0), n_docs):
+                for text in itertools.islice(iter_documents(domain, split, 0, without=without), n_docs):
                     chars += len(text)
                     f.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
             print(
@@ -111,7 +118,8 @@ def main(argv: list[str] | None = None) -> None:
         tok_dir = train_tokenizer(args.tokenizer_out, args.vocab_size, args.tokenizer_docs)
         print(f"tokenizer: {tok_dir} (vocab {args.vocab_size}, {time.time() - start:.1f}s)")
     if args.corpus_docs:
-        dump_corpus(Path(args.corpus_out), args.corpus_docs, args.corpus_splits)
+        dump_corpus(Path(args.corpus_out), args.corpus_docs, args.corpus_splits,
+                    frozenset(Skill(s) for s in args.corpus_without))
 
 
 if __name__ == "__main__":

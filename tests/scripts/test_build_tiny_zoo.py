@@ -25,6 +25,11 @@ def test_quick_zoo_build(tmp_path):
     build = json.loads((tmp_path / "zoo" / "build.json").read_text())
     params = [build["models"][m]["params"] for m in ("base", "teacher-3x", "teacher-8x")]
     assert params[0] < params[1] < params[2]  # teachers ordered by size
+    base = build["models"]["base"]
+    assert base["tokens"] == base["phase1"]["tokens"] + base["own_tokens"] > base["own_tokens"]  # two phases
+    assert "tiny_base_tracking.yaml" in base["command"] and "tiny_base.yaml" in base["phase1"]["command"]
+    assert (tmp_path / "work" / "corpus" / "copying" / "records_train.jsonl").is_file()
+    assert "tracking" not in build["models"]["teacher-3x"]["command"]
     for name in ("base", "teacher-3x", "teacher-8x"):
         model = AutoModelForCausalLM.from_pretrained(tmp_path / "zoo" / name)
         assert type(model) is LlamaForCausalLM and model.dtype == torch.bfloat16
