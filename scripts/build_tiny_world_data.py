@@ -2,11 +2,14 @@
 
     python scripts/build_tiny_world_data.py                      # eval/tasks/tinyworld/ + .cache/tinyworld/tokenizer
     python scripts/build_tiny_world_data.py --corpus-docs 200000 # also .cache/tinyworld/corpus/{domain}_{split}.jsonl
+    python scripts/build_tiny_world_data.py --no-tokenizer --corpus-docs 20000 --corpus-splits train \
+        --corpus-without tracking --corpus-out .cache/tinyworld/corpus/copying   # the base's phase-1 text
 
 The task files (YAML + JSONL, a few MB) are committed; regenerating them with
 the same arguments gives identical bytes. The tokenizer and corpus dumps go to
 git-ignored .cache/. Before writing the tasks, the script checks that no
-recall/tracking/counting item occurs in a sample of training documents.
+recall/tracking/counting item occurs in a sample of training documents (of
+the text dumped: with --corpus-without, that corpus).
 Everything runs offline on one CPU core in seconds (plus ~1 s per 4,000
 dumped documents).
 """
@@ -71,11 +74,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--corpus-splits", nargs="+", default=list(SPLITS), choices=SPLITS, help="Splits dumped by --corpus-docs"
     )
-    return p.parse_args(argv)
+    p.add_argument(
+        "--corpus-without",
+        nargs="+",
+        default=[],
+        choices=[s.value for s in MC_TASKS],
+        help="Leave these skills' threads out of the --corpus-docs dump (the zoo base's first phase: tracking)",
+    )
+    args = p.parse_args(argv)
+    if args.corpus_without and not args.corpus_docs:
+        p.error("--corpus-without shapes the --corpus-docs dump; add --corpus-docs N (documents per domain)")
+    if len(set(args.corpus_without)) == len(MC_TASKS):
+        p.error("--corpus-without names every skill, which leaves no threads; keep at least one")
+    return args
 
 
-def check_no_leaks(counts: dict[Skill, int], seed: int, n_docs: int) -> None:
-    train = [t for d in DOMAINS for t in itertools.islice(iter_documents(d, "train", seed), n_docs)]
+def check_no_leaks(counts: dict[Skill, int], seed: int, n_docs: int, without: frozenset[Skill] = frozenset()) -> None:
+    """No recall/tracking/counting item in the first `n_docs` training documents per domain (of the text
+    dumped: with `without`, the corpus that leaves those skills out, which differs from the full mix)."""
+    train = [t for d in DOMAINS for t in itertools.islice(iter_documents(d, "train", seed, without=without), n_docs)]
     for skill in MC_TASKS:
         if skill is Skill.FACTS:
             continue  # facts are meant to be in training text
@@ -85,14 +102,14 @@ def check_no_leaks(counts: dict[Skill, int], seed: int, n_docs: int) -> None:
     print(f"leak check: no recall/tracking/counting item in {len(train)} training documents")
 
 
-def dump_corpus(out_dir: Path, n_docs: int, splits: list[str]) -> None:
+def dump_corpus(out_dir: Path, n_docs: int, splits: list[str], without: frozenset[Skill] = frozenset()) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     for split in splits:
         for domain in DOMAINS:
             path = out_dir / f"{domain}_{split}.jsonl"
             start, chars = time.time(), 0
             with open(path, "w", encoding="utf-8") as f:
-                for text in itertools.islice(iter_documents(domain, split, 0), n_docs):
+                for text in itertools.islice(iter_documents(domain, split, 0, without=without), n_docs):
                     chars += len(text)
                     f.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
             print(
@@ -102,8 +119,9 @@ def dump_corpus(out_dir: Path, n_docs: int, splits: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    without = frozenset(Skill(s) for s in args.corpus_without)
     counts = dict(DEFAULT_COUNTS) if args.items is None else {s: args.items for s in MC_TASKS}
-    check_no_leaks(counts, args.seed, args.leak_check_docs)
+    check_no_leaks(counts, args.seed, args.leak_check_docs, without)
     for path in write_tasks(args.tasks_out, counts, args.ppl_docs, args.seed):
         print(f"{path}: {path.stat().st_size / 1e3:.0f} kB")
     if not args.no_tokenizer:
@@ -111,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
         tok_dir = train_tokenizer(args.tokenizer_out, args.vocab_size, args.tokenizer_docs)
         print(f"tokenizer: {tok_dir} (vocab {args.vocab_size}, {time.time() - start:.1f}s)")
     if args.corpus_docs:
-        dump_corpus(Path(args.corpus_out), args.corpus_docs, args.corpus_splits)
+        dump_corpus(Path(args.corpus_out), args.corpus_docs, args.corpus_splits, without)
 
 
 if __name__ == "__main__":

@@ -3,10 +3,12 @@
     python scripts/build_tiny_zoo.py                    # the full build (recipes/pretrain/tiny_*.yaml as written)
     python scripts/build_tiny_zoo.py --quick --out /tmp/zoo   # a smoke run: a few steps per model
 
-Steps, each timed: (1) the tiny world's tokenizer and a corpus dump
-(scripts/build_tiny_world_data.py) into .cache/tinyworld/; (2) `ecomla
-pretrain` of the base from scratch (it is also the 1x teacher, as X-EcoMLA's
-1B teacher is its own base); (3) each teacher *grown* from the trained base
+Steps, each timed: (1) the tiny world's tokenizer and corpus dumps
+(scripts/build_tiny_world_data.py) into .cache/tinyworld/, one of them
+without tracking threads; (2) `ecomla pretrain` of the base from scratch in
+two phases: tiny_base.yaml on the dump without tracking (it learns to copy),
+then tiny_base_tracking.yaml on the full mix (the base is also the 1x
+teacher, as X-EcoMLA's 1B teacher is its own base); (3) each teacher *grown* from the trained base
 (ecomla.tinyworld.grow: wider, more heads, deeper, same function) to its
 recipe's shape, then `ecomla pretrain` from there with its recipe's budget;
 (4) each final checkpoint re-saved as bf16 safetensors with the tokenizer into
@@ -32,7 +34,9 @@ from pathlib import Path
 from ecomla.distill.runtime import solo_env
 
 ROOT = Path(__file__).resolve().parents[1]
-MODELS = ("base", "teacher-3x", "teacher-8x")
+# Run order: the base in two phases (copying on text without tracking, then the full mix), then the teachers.
+RUNS = (("base-copying", "tiny_base", "copying"), ("base", "tiny_base_tracking", "train"),
+        ("teacher-3x", "tiny_teacher-3x", "train"), ("teacher-8x", "tiny_teacher-8x", "train"))
 
 
 def run(cmd: list[str], log: Path) -> float:
@@ -65,31 +69,44 @@ def main() -> None:
             "--tokenizer-out", str(work / "tokenizer")]
     timings["data"] = run([*data, "--corpus-docs", str(docs), "--corpus-splits", "train",
                            "--corpus-out", str(work / "corpus" / "train")], logs / "data_train.log")
+    timings["data"] += run([*data, "--no-tokenizer", "--corpus-docs", str(docs), "--corpus-splits", "train",
+                            "--corpus-without", "tracking", "--corpus-out", str(work / "corpus" / "copying")],
+                           logs / "data_copying.log")
     timings["data"] += run([*data, "--no-tokenizer", "--corpus-docs", str(max(100, docs // 100)), "--corpus-splits", "heldout",
                             "--corpus-out", str(work / "corpus" / "heldout")], logs / "data_heldout.log")
     models = {}
-    for name in MODELS:
-        recipe = f"recipes/pretrain/tiny_{name}.yaml"
+    for name, recipe_name, corpus in RUNS:
+        recipe = f"recipes/pretrain/{recipe_name}.yaml"
         run_dir = work / "zoo-runs" / name
         cmd = [str(Path(py).parent / "ecomla"), "pretrain", recipe, "--quiet", "--force", "--set", f"output_dir={run_dir}",
-               "--set", f"tokenizer={work / 'tokenizer'}", "--set", f"data.train.dataset={work / 'corpus' / 'train'}",
+               "--set", f"tokenizer={work / 'tokenizer'}", "--set", f"data.train.dataset={work / 'corpus' / corpus}",
                "--set", f"data.eval.dataset={work / 'corpus' / 'heldout'}"]
         if args.quick:
             cmd += ["--set", "data.seq_len=128", "--set", "train.global_batch_tokens=2048", "--set", "train.total_tokens=4096",
                     "--set", "log.eval_every_steps=0", "--set", "log.eval_batches=1"]
         t0 = time.time()
-        base_tokens = 0
-        if name != "base":
+        before, grown_from, phase1 = 0, None, None
+        if name == "base":  # phase 2 continues phase 1
+            cmd += ["--set", f"student={work / 'zoo-runs' / 'base-copying' / 'final'}"]
+            phase1 = models.pop("base-copying")
+            before = phase1["tokens"]
+        elif name != "base-copying":
             grown = work / "zoo-runs" / f"{name}-grown"
             grow_from_base(out / "base", recipe, grown)
             cmd += ["--set", f"student={grown}", "--set", "student_config=null"]
-            base_tokens = models["base"]["tokens"]
+            before, grown_from = models["base"]["tokens"], "base"
         timings[name] = time.time() - t0 + run(cmd, logs / f"pretrain_{name}.log")
-        models[name] = export_bf16(run_dir / "final", out / name)
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-        models[name].update(tokens=base_tokens + rows[-1]["tokens"], own_tokens=rows[-1]["tokens"],
-                            grown_from="base" if base_tokens else None, final_ce=rows[-1].get("ce"),
-                            eval_ce=rows[-1].get("eval_ce"), command=" ".join(cmd[1:]), seconds=round(timings[name], 1))
+        facts = dict(tokens=before + rows[-1]["tokens"], own_tokens=rows[-1]["tokens"], grown_from=grown_from,
+                     final_ce=rows[-1].get("ce"), eval_ce=rows[-1].get("eval_ce"), command=" ".join(cmd[1:]),
+                     seconds=round(timings[name], 1))
+        if name == "base-copying":  # not exported: only the base's tokens count it
+            models[name] = facts
+            print(f"{name}: {facts['tokens']} tokens, {timings[name]:.0f} s, eval CE {facts['eval_ce']}", flush=True)
+            continue
+        models[name] = {**export_bf16(run_dir / "final", out / name), **facts}
+        if phase1 is not None:
+            models[name]["phase1"] = phase1
         print(f"{name}: {models[name]['params'] / 1e6:.2f}M params, {models[name]['tokens']} tokens, "
               f"{timings[name]:.0f} s, eval CE {models[name]['eval_ce']}", flush=True)
     build = {"quick": args.quick, "corpus_docs_per_domain": docs, "seconds": {k: round(v, 1) for k, v in timings.items()},

@@ -12,6 +12,8 @@
 3. Recall against unseen values: the gold value against three values of the
    same kind that are not in the context. A model that copies at all picks the
    gold; one that ignores the context sits at 25%.
+4. Tracking picks: whether the model answers a tracking question with the
+   latest of the earlier answers to the same question, a stale one, or neither.
 
 A model pretrained on the tiny world for ~3M tokens (1.25M parameters) has so
 far scored near 25% on probes 2 and 3 whatever probe 1 says: copying lists is
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 from pathlib import Path
 
 import torch
@@ -99,6 +102,31 @@ def recall_vs_unseen(model, tokenizer, n_items: int) -> float:
     return round(100 * right / len(items), 1)
 
 
+def tracking_picks(model, tokenizer, n_items: int) -> dict:
+    """Tracking items by the model's pick, against the earlier answers to the item's own question.
+
+    Every move ends with the thread's question answered, so the question's
+    words occur once per state the thing has been in: `latest` is the right
+    pick, `stale` an earlier state's answer, `other` anything else; `no_echo`
+    counts items whose question does not occur earlier word for word (a
+    wording that names a random second person).
+    """
+    out = dict.fromkeys(("latest", "stale", "other", "no_echo"), 0)
+    for it in mc_items(Skill.TRACKING, n_items):
+        question = re.split(r"(?<=\.)\s+", it.context)[-1]
+        earlier = it.context[: -len(question)]
+        answers = [earlier[m.end() :].split(maxsplit=1)[0].rstrip(".") for m in re.finditer(re.escape(question + " "), earlier)]
+        scores = continuation_logprobs(model, tokenizer, it.context, it.choices)
+        pick = it.choices[max(range(len(scores)), key=scores.__getitem__)]
+        if not answers:
+            out["no_echo"] += 1
+        elif pick == it.answer:
+            out["latest"] += 1
+        else:
+            out["stale" if pick in answers else "other"] += 1
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model", help="Checkpoint directory (or hub name)")
@@ -115,6 +143,7 @@ def main() -> None:
         "read_back_nll": readback_nll(model, tokenizer, args.lists),
         "mc_accuracy": multiple_choice(model, tokenizer, args.items),
         "recall_vs_unseen": recall_vs_unseen(model, tokenizer, args.items),
+        "tracking_picks": tracking_picks(model, tokenizer, args.items),
     }
     print(json.dumps(report))
 

@@ -36,8 +36,8 @@ _LAYOUT: dict[str, Layout] = {"stories": "prose", "records": "lines"}
 _MODULES = {"stories": stories, "records": records}
 # How often each skill's threads appear; stories state facts in passing, records in bulk.
 _SKILL_WEIGHTS = {
-    "stories": {Skill.RECALL: 1.0, Skill.TRACKING: 1.0, Skill.COUNTING: 1.0, Skill.FACTS: 1.0},
-    "records": {Skill.RECALL: 1.0, Skill.TRACKING: 1.0, Skill.COUNTING: 1.0, Skill.FACTS: 1.0},
+    "stories": {Skill.RECALL: 1.0, Skill.TRACKING: 2.0, Skill.COUNTING: 1.0, Skill.FACTS: 1.0},
+    "records": {Skill.RECALL: 1.0, Skill.TRACKING: 2.0, Skill.COUNTING: 1.0, Skill.FACTS: 1.0},
 }
 
 
@@ -64,12 +64,23 @@ class Document:
 
 
 def compose(
-    rng: random.Random, world: World, domain: str, n_threads: int, *, first: Skill | None = None, ending: bool = True
+    rng: random.Random,
+    world: World,
+    domain: str,
+    n_threads: int,
+    *,
+    first: Skill | None = None,
+    ending: bool = True,
+    without: frozenset[Skill] = frozenset(),
 ) -> Document:
-    """One document of `n_threads` skill threads (thread 0 has skill `first` when given)."""
+    """One document of `n_threads` skill threads (thread 0 has skill `first` when given; none of `without`)."""
     module = _MODULES[check_domain(domain)]
     cast = Cast.draw(rng, world)
-    weights = _SKILL_WEIGHTS[domain]
+    if first is not None and first in without:
+        raise ValueError(f"compose: first={first.value} is also in without; drop it from one of them")
+    weights = {k: w for k, w in _SKILL_WEIGHTS[domain].items() if k not in without}
+    if not weights:
+        raise ValueError(f"compose: without={sorted(s.value for s in without)} leaves no skill for {domain} threads")
     skills = [first] if first is not None else []
     skills += rng.choices(list(weights), weights=list(weights.values()), k=n_threads - len(skills))
     threads = [rng.choice(module.THREADS[skill])(rng, world, cast) for skill in skills]
@@ -109,23 +120,35 @@ def list_document(rng: random.Random, world: World, domain: str) -> Document:
     return Document(text, steps, [], offsets)
 
 
-def document(domain: str, split: str, seed: int, index: int, world: World | None = None) -> str:
-    """Document `index` of a stream: the same text every time, in any order."""
+def document(
+    domain: str, split: str, seed: int, index: int, world: World | None = None, without: frozenset[Skill] = frozenset()
+) -> str:
+    """Document `index` of a stream: the same text every time, in any order.
+
+    `without` leaves those skills' threads out (the zoo's base first learns to
+    copy on text without tracking; see recipes/pretrain/tiny_base.yaml).
+    """
     rng = document_rng(domain, split, seed, index)
     world = world or default_world()
     if rng.random() < LIST_SHARE:
         return list_document(rng, world, domain).text
-    return compose(rng, world, domain, rng.randint(2, 5)).text
+    return compose(rng, world, domain, rng.randint(2, 5), without=without).text
 
 
 def iter_documents(
-    domain: str, split: str, seed: int = 0, *, start: int = 0, world: World | None = None
+    domain: str,
+    split: str,
+    seed: int = 0,
+    *,
+    start: int = 0,
+    world: World | None = None,
+    without: frozenset[Skill] = frozenset(),
 ) -> Iterator[str]:
     """The endless stream of documents of one domain and split, from document `start` on."""
     check_domain(domain), check_split(split)
     world = world or default_world()
     for index in itertools.count(start):
-        yield document(domain, split, seed, index, world)
+        yield document(domain, split, seed, index, world, without)
 
 
 def iter_mixed(split: str, seed: int = 0, *, start: int = 0, world: World | None = None) -> Iterator[str]:

@@ -116,7 +116,7 @@ def _relocations(rng: random.Random, things: list[str], places: list[str], first
         rng, things, places,
         first=lambda k, dst: _say(rng, first, k=k, dst=dst),
         move=lambda k, src, dst: _say(rng, move, k=k, src=src, dst=dst),
-        ask=lambda k: _say(rng, where, k=k),
+        ask=lambda k, w=(rng.choice(where),): _say(rng, w, k=k),  # one wording per thread
     )  # fmt: skip
 
 

@@ -86,7 +86,8 @@ def objects_in_containers(rng: random.Random, world: World, cast: Cast) -> Threa
         rng, cast.claim(rng, "object", OBJECTS, rng.randint(2, 3)), rng.sample(CONTAINERS, 5),
         first=lambda obj, dst: _say(rng, PUT, a=actor(), obj=obj, dst=dst),
         move=lambda obj, src, dst: _say(rng, MOVE, a=actor(), obj=obj, src=src, dst=dst),
-        ask=lambda obj: _say(rng, WHERE_OBJ, a=actor(), obj=obj),
+        # one question wording (and asker) per thread; every move ends with it answered
+        ask=lambda obj, w=(rng.choice(WHERE_OBJ),), a=actor(): _say(rng, w, a=a, obj=obj),
     )  # fmt: skip
 
 
@@ -98,7 +99,8 @@ def people_in_rooms(rng: random.Random, world: World, cast: Cast) -> Thread:
         rng, cast.claim(rng, "walker", cast.people, rng.randint(2, 3), NAMES), rng.sample(ROOMS, 5),
         first=lambda a, dst: _say(rng, ENTER, a=a, dst=dst),
         move=lambda a, src, dst: _say(rng, GO, a=a, src=src, dst=dst),
-        ask=lambda a: _say(rng, WHERE_WHO, a=a, b=other(a)),
+        # one wording per thread; in "{b} found {a} in the" the finder {b} is drawn afresh each time it is said
+        ask=lambda a, w=(rng.choice(WHERE_WHO),): _say(rng, w, a=a, b=other(a)),
     )  # fmt: skip
 
 
@@ -108,7 +110,7 @@ def hand_to_hand(rng: random.Random, world: World, cast: Cast) -> Thread:
         rng, cast.claim(rng, "object", OBJECTS, 2), list(cast.people),
         first=lambda obj, a: _say(rng, HOLD, a=a, obj=obj),
         move=lambda obj, a, b: _say(rng, GIVE, a=a, b=b, obj=obj),
-        ask=lambda obj: _say(rng, WHO_HAS, obj=obj),
+        ask=lambda obj, w=(rng.choice(WHO_HAS),): _say(rng, w, obj=obj),  # one wording per thread
     )  # fmt: skip
 
 

@@ -43,7 +43,8 @@ _ABOUT = {
 
 # The tasks' version (lm-eval metadata, shown in reports): bump it whenever the generated items change.
 # 2.0: tracking moves no longer name the old place; counting is tallies of mentions (no arithmetic).
-VERSION = "2.0"
+# 3.0: each tracking move ends with where the thing is now, worded as its thread's question.
+VERSION = "3.0"
 
 _MC_YAML = """{header}# {about}
 # Run: lm_eval --include_path eval/tasks --tasks {name} --model hf --model_args pretrained=CKPT

@@ -225,11 +225,21 @@ def relocation_thread(
     """Things change place (or holder) a few times; the thread ends asking where one of them is.
 
     `first(thing, place)`, `move(thing, src, dst)` and `ask(thing)` word the
-    steps. Moves continue until `min_places` places are mentioned, so the
+    steps; `ask` words the question one way for the whole thread. Every
+    placement and move ends with that question answered ("Parcel 417 was
+    forwarded to Oslo. Status of parcel 417: in Oslo."), so the question's
+    words follow every state the thing has been in (status checks on other
+    things in the thread repeat their own), and answering it is
+    picking the *latest* of those: the one skill this thread adds to
+    recall's lookup. Without that echo a 1.25M model trained for the zoo's
+    budget stayed at chance (the README's tiny-world section).
+
+    Moves continue until `min_places` places are mentioned, so the
     distractors (earlier places of the thing, current places of the others)
-    all occur in the context. After the asked thing's last move, other things
-    move up to twice, so the most recently mentioned place is the answer only
-    about as often as chance.
+    all occur in the context. Status checks along the way ask about a thing
+    other than the one that just moved, and after the asked thing's last move
+    other things move up to twice, so the most recently mentioned place is
+    the answer only about as often as chance.
     """
     thread = Thread(Skill.TRACKING)
     loc: dict[str, str] = {}
@@ -239,6 +249,7 @@ def relocation_thread(
 
     def step(thing: str, dst: str) -> None:
         text = first(thing, dst) if thing not in loc else move(thing, loc[thing], dst)
+        text = f"{text} {ask(thing)} {dst}."  # the state after the step, in the question's words
         if thing in loc:
             past[thing].append(loc[thing])
         loc[thing], evidence[thing] = dst, text
@@ -263,8 +274,8 @@ def relocation_thread(
             rng.choice(fresh if len(mentioned) < min_places and fresh else [p for p in places if p != loc[thing]]),
         )
         n_moves -= 1
-        if rng.random() < 0.5:  # a status check, half the time of the thing that just moved
-            thread.add(probe(thing if rng.random() < 0.5 else rng.choice(things)))
+        if rng.random() < 0.5:  # a status check of another thing
+            thread.add(probe(rng.choice([t for t in things if t != thing])))
     moved = [t for t in things if past[t]]
     target = rng.choice(moved if moved and rng.random() < 0.8 else things)
     others = [t for t in things if t != target]

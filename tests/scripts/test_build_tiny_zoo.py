@@ -25,6 +25,19 @@ def test_quick_zoo_build(tmp_path):
     build = json.loads((tmp_path / "zoo" / "build.json").read_text())
     params = [build["models"][m]["params"] for m in ("base", "teacher-3x", "teacher-8x")]
     assert params[0] < params[1] < params[2]  # teachers ordered by size
+    base = build["models"]["base"]
+    assert base["tokens"] == base["phase1"]["tokens"] + base["own_tokens"] > base["own_tokens"]  # two phases
+    assert "tiny_base_tracking.yaml" in base["command"] and "tiny_base.yaml" in base["phase1"]["command"]
+    copying, train = tmp_path / "work" / "corpus" / "copying", tmp_path / "work" / "corpus" / "train"
+    assert f"data.train.dataset={copying}" in base["phase1"]["command"]  # phase 1 on the text without tracking
+    assert f"student={tmp_path / 'work' / 'zoo-runs' / 'base-copying' / 'final'}" in base["command"]  # continues it
+    assert f"data.train.dataset={train}" in base["command"]
+    parcel_status = ("Parcel", "parcel")  # records' tracking threads are parcels and staff offices
+    assert any(p in (train / "records_train.jsonl").read_text() for p in parcel_status)
+    assert not any(p in (copying / "records_train.jsonl").read_text() for p in parcel_status)
+    for name in ("teacher-3x", "teacher-8x"):
+        assert f"data.train.dataset={train}" in build["models"][name]["command"], name
+        assert build["models"][name]["grown_from"] == "base"
     for name in ("base", "teacher-3x", "teacher-8x"):
         model = AutoModelForCausalLM.from_pretrained(tmp_path / "zoo" / name)
         assert type(model) is LlamaForCausalLM and model.dtype == torch.bfloat16

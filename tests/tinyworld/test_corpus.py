@@ -4,7 +4,8 @@ Proves: streams are deterministic and random-access; splits, seeds and
 domains never share a document; bad names are rejected by name; both domains
 contain every skill; and the text tells the truth, checked by replaying it:
 every door or locker has one code per document, no parcel move names the old
-place and every probe of a parcel's location names where it is, and every
+place, every parcel line ends with where it is now in its thread's one
+question wording (status checks included), and every
 visit count equals the sign-ins so far.
 """
 
@@ -13,10 +14,11 @@ from __future__ import annotations
 import itertools
 import random
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import pytest
 
+from ecomla.tinyworld import records, stories
 from ecomla.tinyworld.corpus import (
     DOMAINS,
     SPLITS,
@@ -81,6 +83,49 @@ def test_every_skill_occurs_and_probes_follow_their_evidence(domain):
     assert seen >= {Skill.RECALL, Skill.TRACKING, Skill.COUNTING, Skill.FACTS}
 
 
+def _template_regex(template: str) -> re.Pattern:
+    """A sentence template ("Parcel {k} was moved to {dst}.") as a regex: placeholders match words."""
+    parts = re.split(r"(\{\w+\})", template)
+    return re.compile("".join(r"[\w ]+?" if p.startswith("{") else re.escape(p) for p in parts if p))
+
+
+# Every sentence template that tracking threads write (placements, moves, hand-overs, questions), per domain
+TRACKING_TEMPLATES = {
+    "stories": (*stories.PUT, *stories.MOVE, *stories.WHERE_OBJ, *stories.ENTER, *stories.GO, *stories.WHERE_WHO,
+                *stories.HOLD, *stories.GIVE, *stories.WHO_HAS),
+    "records": (*records.PARCEL_AT, *records.PARCEL_MOVE, *records.PARCEL_WHERE, *records.STAFF_AT,
+                *records.STAFF_MOVE, *records.STAFF_WHERE),
+}
+
+
+@pytest.mark.parametrize("domain", DOMAINS)
+def test_a_stream_without_tracking_has_no_tracking_text_and_keeps_the_other_skills(domain):
+    world = default_world()
+    kept = Counter()
+    for index in range(300):
+        rng = random.Random(f"test/{domain}/{index}")
+        doc = compose(rng, world, domain, rng.randint(2, 5), without=frozenset({Skill.TRACKING}))
+        assert Skill.TRACKING not in {t.skill for t in doc.threads}
+        kept.update(t.skill for t in doc.threads)
+    assert {Skill.RECALL, Skill.COUNTING, Skill.FACTS} <= set(kept)
+    plain = list(itertools.islice(iter_documents(domain, "train", 0), 200))
+    assert plain[:50] == list(itertools.islice(iter_documents(domain, "train", 0, without=frozenset()), 50))
+    lean = list(itertools.islice(iter_documents(domain, "train", 0, without=frozenset({Skill.TRACKING})), 200))
+    for template in TRACKING_TEMPLATES[domain]:  # each one is in the full mix (so the regex works), none is left
+        pattern = _template_regex(template)
+        assert pattern.search(" ".join(plain)), template
+        assert not pattern.search(" ".join(lean)), template
+    assert sum(a == b for a, b in zip(plain, lean)) >= 40  # list documents are drawn first and shared
+
+
+def test_without_every_skill_or_the_first_one_is_refused():
+    rng, world = random.Random(0), default_world()
+    with pytest.raises(ValueError, match="leaves no skill"):
+        compose(rng, world, "records", 3, without=frozenset(Skill))
+    with pytest.raises(ValueError, match="first=tracking is also in without"):
+        compose(rng, world, "stories", 3, first=Skill.TRACKING, without=frozenset({Skill.TRACKING}))
+
+
 _KEY = re.compile(rf"\b(\w+ (?:{'|'.join(LOCKS)}))\b")
 
 
@@ -104,22 +149,30 @@ def test_every_door_and_locker_has_one_code_per_document(domain):
     assert checked > 300
 
 
-def test_parcel_moves_name_only_the_new_place_and_probes_say_where_it_is():
-    checked = 0
+def test_parcel_moves_name_only_the_new_place_and_end_with_where_it_is_now():
+    status = re.compile(r"(Parcel \d+ is now in|Current location of parcel \d+:|Status of parcel \d+: in) (\w+)\.$")
+    moves = checks = 0
     for text in take("records", "train", 600):
         where: dict[str, str] = {}
+        asked: dict[str, str] = {}  # parcel -> its thread's question wording
         for line in text.splitlines():
             m = re.search(r"\b[Pp]arcel (\d+)\b", line)
             if not m:
                 continue
-            parcel, dst = m.group(1), re.findall(r"\w+", line)[-1]
+            parcel = m.group(1)
+            state = status.search(line)
+            assert state, line  # every parcel line ends saying where the parcel is now
+            wording, dst = re.sub(r"\d+", "N", state.group(1)), state.group(2)
+            assert asked.setdefault(parcel, wording) == wording, line  # one wording per thread
+            if state.start() == 0:  # a status check: says where the parcel is
+                assert where[parcel] == dst, line
+                checks += 1
+                continue
             if parcel in where and dst != where[parcel]:  # a move: the old place is not in the line
                 assert where[parcel] not in line, line
-            if re.search(r"is now in|Current location|Status of", line):
-                assert dst == where[parcel], line
-                checked += 1
+                moves += 1
             where[parcel] = dst
-    assert checked > 50
+    assert moves > 50 and checks > 50
 
 
 def test_visit_counts_equal_the_sign_ins_so_far():
