@@ -2,6 +2,7 @@
 
     python scripts/build_tiny_zoo.py                    # the full build (recipes/pretrain/tiny_*.yaml as written)
     python scripts/build_tiny_zoo.py --quick --out /tmp/zoo   # a smoke run: a few steps per model
+    python scripts/build_tiny_zoo.py --teachers-only     # retrain the teachers on the base already in zoo/
 
 Steps, each timed: (1) the tiny world's tokenizer and corpus dumps
 (scripts/build_tiny_world_data.py) into .cache/tinyworld/, one of them
@@ -57,25 +58,26 @@ def main() -> None:
     ap.add_argument("--corpus-docs", type=int, default=None, help="documents per domain dumped for training")
     ap.add_argument("--work", default=str(ROOT / ".cache" / "tinyworld"),
                     help="Tokenizer, corpus dumps, run directories and logs (the recipes read .cache/tinyworld)")
+    ap.add_argument("--teachers-only", action="store_true",
+                    help="keep the data and the base of the build already in --out and --work and retrain only the "
+                         "teachers (after editing their recipes); build.json keeps the base's steps and seconds, "
+                         "listed under 'reused'")
     args = ap.parse_args()
     out = Path(args.out)
     work = Path(args.work).resolve()
     logs = work / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
     py = sys.executable
     docs = args.corpus_docs or (400 if args.quick else 20_000)
     timings: dict[str, float] = {}
-    data = [py, "scripts/build_tiny_world_data.py", "--tasks-out", str(work / "tasks-check"),
-            "--tokenizer-out", str(work / "tokenizer")]
-    timings["data"] = run([*data, "--corpus-docs", str(docs), "--corpus-splits", "train",
-                           "--corpus-out", str(work / "corpus" / "train")], logs / "data_train.log")
-    timings["data"] += run([*data, "--no-tokenizer", "--corpus-docs", str(docs), "--corpus-splits", "train",
-                            "--corpus-without", "tracking", "--corpus-out", str(work / "corpus" / "copying")],
-                           logs / "data_copying.log")
-    timings["data"] += run([*data, "--no-tokenizer", "--corpus-docs", str(max(100, docs // 100)), "--corpus-splits", "heldout",
-                            "--corpus-out", str(work / "corpus" / "heldout")], logs / "data_heldout.log")
-    models = {}
-    for name, recipe_name, corpus in RUNS:
+    models: dict[str, dict] = {}
+    runs, reused = RUNS, []
+    if args.teachers_only:  # checked before anything is written
+        timings, models = reuse_base(out, work, args.quick)
+        runs, reused = RUNS[2:], sorted(timings)
+    logs.mkdir(parents=True, exist_ok=True)
+    if not args.teachers_only:
+        timings["data"] = build_data(py, work, logs, docs)
+    for name, recipe_name, corpus in runs:
         recipe = f"recipes/pretrain/{recipe_name}.yaml"
         run_dir = work / "zoo-runs" / name
         cmd = [str(Path(py).parent / "ecomla"), "pretrain", recipe, "--quiet", "--force", "--set", f"output_dir={run_dir}",
@@ -110,9 +112,39 @@ def main() -> None:
         print(f"{name}: {models[name]['params'] / 1e6:.2f}M params, {models[name]['tokens']} tokens, "
               f"{timings[name]:.0f} s, eval CE {models[name]['eval_ce']}", flush=True)
     build = {"quick": args.quick, "corpus_docs_per_domain": docs, "seconds": {k: round(v, 1) for k, v in timings.items()},
-             "total_seconds": round(sum(timings.values()), 1), "models": models}
+             "total_seconds": round(sum(timings.values()), 1), "reused": reused, "models": models}
     (out / "build.json").write_text(json.dumps(build, indent=2) + "\n")
     print(f"zoo built in {build['total_seconds'] / 60:.1f} min -> {out}")
+
+
+def build_data(py: str, work: Path, logs: Path, docs: int) -> float:
+    """The tokenizer and the three corpus dumps (train, train without tracking, held-out); seconds taken."""
+    data = [py, "scripts/build_tiny_world_data.py", "--tasks-out", str(work / "tasks-check"),
+            "--tokenizer-out", str(work / "tokenizer")]
+    seconds = run([*data, "--corpus-docs", str(docs), "--corpus-splits", "train",
+                   "--corpus-out", str(work / "corpus" / "train")], logs / "data_train.log")
+    seconds += run([*data, "--no-tokenizer", "--corpus-docs", str(docs), "--corpus-splits", "train",
+                    "--corpus-without", "tracking", "--corpus-out", str(work / "corpus" / "copying")],
+                   logs / "data_copying.log")
+    seconds += run([*data, "--no-tokenizer", "--corpus-docs", str(max(100, docs // 100)), "--corpus-splits", "heldout",
+                    "--corpus-out", str(work / "corpus" / "heldout")], logs / "data_heldout.log")
+    return seconds
+
+
+def reuse_base(out: Path, work: Path, quick: bool) -> tuple[dict[str, float], dict[str, dict]]:
+    """The data and base steps of the build recorded in out/build.json (for --teachers-only), checked to be there."""
+    record = out / "build.json"
+    needed = [record, out / "base" / "config.json", work / "tokenizer", work / "corpus" / "train"]
+    missing = [str(p) for p in needed if not p.exists()]
+    if missing:
+        raise SystemExit(f"--teachers-only reuses an earlier build, but {', '.join(missing)} is missing; "
+                         "run the full build first (without --teachers-only)")
+    prev = json.loads(record.read_text())
+    if prev.get("quick") != quick:
+        raise SystemExit(f"--teachers-only: {record} is from a {'quick' if prev.get('quick') else 'full'} build; "
+                         f"pass {'--quick' if prev.get('quick') else 'no --quick'} to match it")
+    steps = ("data", "base-copying", "base")
+    return {k: prev["seconds"][k] for k in steps}, {"base": prev["models"]["base"]}
 
 
 def grow_from_base(base: Path, recipe: str, dst: Path) -> None:

@@ -42,3 +42,24 @@ def test_quick_zoo_build(tmp_path):
         model = AutoModelForCausalLM.from_pretrained(tmp_path / "zoo" / name)
         assert type(model) is LlamaForCausalLM and model.dtype == torch.bfloat16
         assert (tmp_path / "zoo" / name / "tokenizer.json").exists()
+    # --teachers-only: the base and its record stay, the teachers are retrained, the reused steps are listed
+    base_bytes = (tmp_path / "zoo" / "base" / "model.safetensors").read_bytes()
+    proc = subprocess.run([sys.executable, "scripts/build_tiny_zoo.py", "--quick", "--teachers-only",
+                           "--out", str(tmp_path / "zoo"), "--work", str(tmp_path / "work")],
+                          cwd=ROOT, capture_output=True, text=True, env=env, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    again = json.loads((tmp_path / "zoo" / "build.json").read_text())
+    assert again["reused"] == ["base", "base-copying", "data"] and build["reused"] == []
+    assert again["models"]["base"] == base and (tmp_path / "zoo" / "base" / "model.safetensors").read_bytes() == base_bytes
+    assert {k: again["seconds"][k] for k in again["reused"]} == {k: build["seconds"][k] for k in again["reused"]}
+    assert set(again["seconds"]) == set(build["seconds"])
+    assert again["total_seconds"] == pytest.approx(sum(again["seconds"].values()), abs=0.2)
+
+
+def test_teachers_only_needs_an_earlier_build(tmp_path):
+    proc = subprocess.run([sys.executable, "scripts/build_tiny_zoo.py", "--teachers-only",
+                           "--out", str(tmp_path / "zoo"), "--work", str(tmp_path / "work")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "--teachers-only reuses an earlier build" in proc.stderr and "build.json" in proc.stderr
+    assert not (tmp_path / "zoo").exists() and not (tmp_path / "work").exists()  # nothing written
