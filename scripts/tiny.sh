@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Set up (if needed) and run the main job on the embedded tiny world, on CPU: the README's first command.
+#   bash scripts/tiny.sh                                   # ~12 min on 2 cores after set-up; report in runs/xecomla_tiny/eval/
+#   bash scripts/tiny.sh --set output_dir=runs/mine        # any `ecomla run` option is passed on
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+# Everything stays in the checkout and offline: the zoo, tasks and corpus generator are all local.
+export HF_HOME="$PWD/.cache/hf" TORCH_EXTENSIONS_DIR="$PWD/.cache/torch_extensions"
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+exec .venv/bin/ecomla run recipes/xecomla_tiny.yaml "$@"
