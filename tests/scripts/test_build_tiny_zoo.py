@@ -63,3 +63,16 @@ def test_teachers_only_needs_an_earlier_build(tmp_path):
     assert proc.returncode != 0
     assert "--teachers-only reuses an earlier build" in proc.stderr and "build.json" in proc.stderr
     assert not (tmp_path / "zoo").exists() and not (tmp_path / "work").exists()  # nothing written
+
+
+def test_teachers_only_refuses_a_build_record_without_the_two_base_phases(tmp_path):
+    zoo, work = tmp_path / "zoo", tmp_path / "work"
+    for path in (zoo / "base", work / "tokenizer", work / "corpus" / "train"):
+        path.mkdir(parents=True)
+    (zoo / "base" / "config.json").write_text("{}")
+    old = {"quick": False, "seconds": {"data": 29.3, "base": 1625.5}, "models": {"base": {"tokens": 1}}}
+    (zoo / "build.json").write_text(json.dumps(old))
+    proc = subprocess.run([sys.executable, "scripts/build_tiny_zoo.py", "--teachers-only", "--out", str(zoo),
+                           "--work", str(work)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "has no record of base-copying" in proc.stderr
+    assert json.loads((zoo / "build.json").read_text()) == old and not (work / "logs").exists()
