@@ -54,6 +54,29 @@ class TrainingError(RuntimeError):
     """The run cannot go on (bad input found at set-up, or a non-finite loss)."""
 
 
+def write_latest(ckpt_dir: Path, tag: str) -> None:
+    """Point `ckpt_dir/latest` at `tag` in one rename, so a reader (or a kill) sees the old tag or the new, never half."""
+    tmp = ckpt_dir / "latest.tmp"
+    tmp.write_text(tag + "\n")
+    tmp.replace(ckpt_dir / "latest")
+
+
+def read_latest(ckpt_dir: Path) -> str | None:
+    """The tag a resume starts from, or None for a fresh run; a `latest` that names no whole checkpoint is an error."""
+    latest = ckpt_dir / "latest"
+    if not latest.is_file():
+        return None
+    tag = latest.read_text().strip()
+    whole = sorted(p.name for p in ckpt_dir.glob("step_*") if (p / "trainer_state.json").is_file())
+    if not tag or not (ckpt_dir / tag / "trainer_state.json").is_file():
+        what = "is empty" if not tag else f"names {tag!r}, which holds no trainer_state.json"
+        hint = (f"write the tag to resume from into it (checkpoints here: {', '.join(whole)})" if whole
+                else "no checkpoint here can be resumed")
+        raise TrainingError(f"{latest} {what} (a run killed while saving, by an older ecomla); {hint}, "
+                            f"or pass --force to start over")
+    return tag
+
+
 class NonFiniteLoss(TrainingError):
     pass
 
@@ -336,20 +359,21 @@ class DistillRun:
             state = {"step": step, "sampler": self.sampler.describe(), "recipe": self._fingerprint()}
             (tag_dir / "trainer_state.json").write_text(json.dumps(state, indent=2, default=str) + "\n")
         barrier()
-        # DeepSpeed writes `latest` last, so a kill mid-save leaves the previous checkpoint as the latest.
-        self.engine.save_checkpoint(str(self.ckpt_dir), tag=tag)
+        # `latest` is ours, not DeepSpeed's: DeepSpeed truncates and rewrites it in place, so a kill at that moment
+        # leaves it empty. Ours names the new tag only once every rank's shards are written, and swaps in whole.
+        self.engine.save_checkpoint(str(self.ckpt_dir), tag=tag, save_latest=False)
         barrier()
         if self.dist.is_main:
+            write_latest(self.ckpt_dir, tag)
             kept = sorted(p for p in self.ckpt_dir.iterdir() if p.is_dir() and p.name.startswith("step_"))
             for old in kept[: -max(1, self.recipe.checkpoint.keep_last)]:
                 if old.name != tag:
                     shutil.rmtree(old, ignore_errors=True)
 
     def _maybe_resume(self) -> int:
-        latest = self.ckpt_dir / "latest"
-        if not latest.is_file():
+        tag = read_latest(self.ckpt_dir)
+        if tag is None:
             return 0
-        tag = latest.read_text().strip()
         tag_dir = self.ckpt_dir / tag
         state = json.loads((tag_dir / "trainer_state.json").read_text())
         if json.loads(json.dumps(self._fingerprint(), default=str)) != state["recipe"]:
