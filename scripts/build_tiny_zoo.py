@@ -36,8 +36,9 @@ from ecomla.distill.runtime import solo_env
 
 ROOT = Path(__file__).resolve().parents[1]
 # Run order: the base in two phases (copying on text without tracking, then the full mix), then the teachers.
-RUNS = (("base-copying", "tiny_base", "copying"), ("base", "tiny_base_tracking", "train"),
-        ("teacher-3x", "tiny_teacher-3x", "train"), ("teacher-8x", "tiny_teacher-8x", "train"))
+# (name, recipe in recipes/pretrain/, corpus dump)
+BASE_RUNS = (("base-copying", "tiny_base", "copying"), ("base", "tiny_base_tracking", "train"))
+TEACHER_RUNS = (("teacher-3x", "tiny_teacher-3x", "train"), ("teacher-8x", "tiny_teacher-8x", "train"))
 
 
 def run(cmd: list[str], log: Path) -> float:
@@ -70,10 +71,10 @@ def main() -> None:
     docs = args.corpus_docs or (400 if args.quick else 20_000)
     timings: dict[str, float] = {}
     models: dict[str, dict] = {}
-    runs, reused = RUNS, []
+    runs, reused = BASE_RUNS + TEACHER_RUNS, []
     if args.teachers_only:  # checked before anything is written
         timings, models = reuse_base(out, work, args.quick)
-        runs, reused = RUNS[2:], sorted(timings)
+        runs, reused = TEACHER_RUNS, sorted(timings)
     logs.mkdir(parents=True, exist_ok=True)
     if not args.teachers_only:
         timings["data"] = build_data(py, work, logs, docs)
@@ -143,7 +144,7 @@ def reuse_base(out: Path, work: Path, quick: bool) -> tuple[dict[str, float], di
     if prev.get("quick") != quick:
         raise SystemExit(f"--teachers-only: {record} is from a {'quick' if prev.get('quick') else 'full'} build; "
                          f"pass {'--quick' if prev.get('quick') else 'no --quick'} to match it")
-    steps = ("data", "base-copying", "base")
+    steps = ("data", *(name for name, _, _ in BASE_RUNS))
     lacking = [k for k in steps if k not in prev.get("seconds", {})] + [m for m in ("base",) if m not in prev.get("models", {})]
     if lacking:
         raise SystemExit(f"--teachers-only: {record} has no record of {', '.join(lacking)} (a build from an older "

@@ -91,8 +91,11 @@ def _data_fingerprints(distill) -> list[str]:
 
 
 def _teacher_source(distill: dict) -> str:
+    from ecomla.distill.recipe import TeacherConfig
+
+    default = TeacherConfig.__dataclass_fields__["source"].default  # the distill recipe's own default, not a copy
     teacher = distill.get("teacher")
-    return teacher.get("source", "live") if isinstance(teacher, dict) else "live"
+    return teacher.get("source", default) if isinstance(teacher, dict) else default
 
 
 def _cache_inputs(sub) -> dict:
