@@ -145,7 +145,7 @@ def reuse_base(out: Path, work: Path, quick: bool) -> tuple[dict[str, float], di
         raise SystemExit(f"--teachers-only: {record} is from a {'quick' if prev.get('quick') else 'full'} build; "
                          f"pass {'--quick' if prev.get('quick') else 'no --quick'} to match it")
     steps = ("data", *(name for name, _, _ in BASE_RUNS))
-    lacking = [k for k in steps if k not in prev.get("seconds", {})] + [m for m in ("base",) if m not in prev.get("models", {})]
+    lacking = [k for k in steps if k not in prev.get("seconds", {})] + ([] if "base" in prev.get("models", {}) else ["base"])
     if lacking:
         raise SystemExit(f"--teachers-only: {record} has no record of {', '.join(lacking)} (a build from an older "
                          "version of this script?); run the full build first (without --teachers-only)")

@@ -67,8 +67,8 @@ def read_latest(ckpt_dir: Path) -> str | None:
     if not latest.is_file():
         return None
     tag = latest.read_text().strip()
-    whole = sorted(p.name for p in ckpt_dir.glob("step_*") if (p / "trainer_state.json").is_file())
     if not tag or not (ckpt_dir / tag / "trainer_state.json").is_file():
+        whole = sorted(p.name for p in ckpt_dir.glob("step_*") if (p / "trainer_state.json").is_file())
         what = "is empty" if not tag else f"names {tag!r}, which holds no trainer_state.json"
         hint = (f"write the tag to resume from into it (checkpoints here: {', '.join(whole)})" if whole
                 else "no checkpoint here can be resumed")

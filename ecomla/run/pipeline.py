@@ -93,7 +93,7 @@ def _data_fingerprints(distill) -> list[str]:
 def _teacher_source(distill: dict) -> str:
     from ecomla.distill.recipe import TeacherConfig
 
-    default = TeacherConfig.__dataclass_fields__["source"].default  # the distill recipe's own default, not a copy
+    default = TeacherConfig().source  # the distill recipe's own default, not a copy
     teacher = distill.get("teacher")
     return teacher.get("source", default) if isinstance(teacher, dict) else default
 
