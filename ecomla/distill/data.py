@@ -17,7 +17,7 @@ import torch
 
 from ecomla.data.packing import Doc, block_causal_mask, chat_documents, pack, position_ids, target_mask, text_documents
 from ecomla.data.shards import PackedDataset, ShardWriter, pack_to_memory
-from ecomla.data.text import DataError, is_endless, iter_rows, iter_texts
+from ecomla.data.text import DataError, iter_rows, iter_texts, named_corpus
 from ecomla.distill.recipe import DataSource, DistillRecipe
 
 
@@ -69,7 +69,7 @@ def open_dataset(src: DataSource, tokenizer, seq_len: int, what: str, output_dir
         if ds.seq_len != seq_len:
             raise DataError(f"{what}.prepared: {src.prepared} was packed at seq_len {ds.seq_len}, the recipe says {seq_len}")
         return ds
-    if not Path(src.dataset).exists() and "/" not in src.dataset and not is_endless(src.dataset):
+    if not Path(src.dataset).exists() and "/" not in src.dataset and named_corpus(src.dataset) is None:
         raise DataError(f"{what}.dataset: {src.dataset} does not exist")
     seqs = pack_to_memory(documents(src, tokenizer), seq_len, pad_id(tokenizer))
     if len(seqs) == 0:

@@ -187,6 +187,7 @@ class AtomicCheckpointWriter:
             raise FileExistsError(f"{self.destination} already exists; pass --force to replace it")
         self.destination.parent.mkdir(parents=True, exist_ok=True)
         self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.destination.name}.tmp-", dir=self.destination.parent))
+        os.chmod(self.tmp, 0o755)  # mkdtemp makes it private (0700); a checkpoint is an ordinary directory
         self.overwrite = overwrite
         self.shard_bytes = shard_bytes
         self._buffer: dict[str, torch.Tensor] = {}

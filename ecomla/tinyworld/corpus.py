@@ -157,3 +157,8 @@ def iter_mixed(split: str, seed: int = 0, *, start: int = 0, world: World | None
     for index in itertools.count(start):
         for domain in DOMAINS:
             yield document(domain, split, seed, index, world)
+
+
+def iter_texts(split: str, domain: str | None = None) -> Iterator[str]:
+    """The stream a dataset key `tinyworld:SPLIT[:DOMAIN]` names (see `ecomla.data.text.CORPORA`)."""
+    return iter_documents(domain, split) if domain is not None else iter_mixed(split)
