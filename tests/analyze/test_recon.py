@@ -37,3 +37,21 @@ def test_recon_cli(source_factory, corpus_dir, tmp_path, capsys):
         assert series[name][-1] < series[name][0], (name, series[name])
     for part in ("Key", "Value"):  # out of domain is worse once the fit has enough tokens
         assert series[f"{part} A -> B"][-1] > series[f"{part} A -> A"][-1]
+
+
+def test_recon_refuses_mla_keys_it_does_not_read(tmp_path, capsys):
+    from ecomla.analyze.recon import UNREAD_MLA_KEYS
+
+    recipe = {
+        "model": "unused", "output_dir": str(tmp_path / "recon"),
+        "calibration": {"dataset": "pytext:calibration:code"}, "heldout": [{"dataset": "pytext:heldout:code"}],
+        "mla": {"kv_lora_rank": 16, "rope_key": "rorope", "rope_residual": "drop", "rank_allocation": "energy",
+                "rope_allocation": "energy"},
+    }
+    path = tmp_path / "recon.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    assert main(["analyze", "recon", str(path), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    for key in ("rope_residual", "rank_allocation", "rope_allocation"):
+        assert f"mla.{key}: analyze recon fits one uniform latent per layer and does not read this key" in err
+    assert "rope_residual" in UNREAD_MLA_KEYS and not (tmp_path / "recon").exists()
