@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 
@@ -38,6 +39,30 @@ def kv_errors(geo: MLAGeometry, split: RopeSplit, src: SourceAttention, tensors:
     return latent.relative_error(k_true, k_hat), latent.relative_error(kv_true[..., qk_nope:], kv_hat[..., qk_nope:])
 
 
+def agreement(batches: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> dict:
+    """Perplexity of a reference and a candidate, KL(reference‖candidate) and top-1 agreement per token.
+
+    `batches` yields (logp_reference, logp_candidate, target): log-probabilities (M, V) of the same M
+    positions and their next tokens (M,), so callers stream the logits a few sequences at a time.
+    """
+    F = torch.nn.functional
+    ce_ref = ce_cand = kl = agree = 0.0
+    n = 0
+    for ref, cand, target in batches:
+        ce_ref += float(F.nll_loss(ref, target, reduction="sum"))
+        ce_cand += float(F.nll_loss(cand, target, reduction="sum"))
+        kl += float((ref.exp() * (ref - cand)).sum())
+        agree += float((ref.argmax(-1) == cand.argmax(-1)).sum())
+        n += target.numel()
+    return {
+        "tokens": n,
+        "source_perplexity": math.exp(ce_ref / n),
+        "converted_perplexity": math.exp(ce_cand / n),
+        "kl_source_to_converted": kl / n,
+        "top1_agreement": agree / n,
+    }
+
+
 @torch.no_grad()
 def heldout_metrics(h_src: torch.Tensor, h_cvt: torch.Tensor, ids: torch.Tensor, reader, tied: bool, eps: float) -> dict:
     """Perplexity of both models, and KL(source‖converted) and top-1 agreement per token, on held-out blocks.
@@ -47,24 +72,14 @@ def heldout_metrics(h_src: torch.Tensor, h_cvt: torch.Tensor, ids: torch.Tensor,
     """
     norm_w = reader.get("model.norm.weight")
     head = reader.get("model.embed_tokens.weight" if tied else "lm_head.weight")
-    F = torch.nn.functional
-    ce_src = ce_cvt = kl = agree = 0.0
-    for hs, hc, t in zip(h_src.split(4), h_cvt.split(4), ids.split(4)):
-        logp = []
-        for h in (hs, hc):
-            x = h.float()
-            x = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * norm_w
-            logp.append(F.log_softmax((x[:, :-1] @ head.T).double(), -1).reshape(-1, head.shape[0]))
-        target = t[:, 1:].reshape(-1)
-        ce_src += float(F.nll_loss(logp[0], target, reduction="sum"))
-        ce_cvt += float(F.nll_loss(logp[1], target, reduction="sum"))
-        kl += float((logp[0].exp() * (logp[0] - logp[1])).sum())
-        agree += float((logp[0].argmax(-1) == logp[1].argmax(-1)).sum())
-    n = ids[:, 1:].numel()
-    return {
-        "tokens": n,
-        "source_perplexity": math.exp(ce_src / n),
-        "converted_perplexity": math.exp(ce_cvt / n),
-        "kl_source_to_converted": kl / n,
-        "top1_agreement": agree / n,
-    }
+
+    def batches():
+        for hs, hc, t in zip(h_src.split(4), h_cvt.split(4), ids.split(4)):
+            logp = []
+            for h in (hs, hc):
+                x = h.float()
+                x = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * norm_w
+                logp.append(torch.log_softmax((x[:, :-1] @ head.T).double(), -1).reshape(-1, head.shape[0]))
+            yield logp[0], logp[1], t[:, 1:].reshape(-1)
+
+    return agreement(batches())

@@ -1,0 +1,182 @@
+"""The one-shot table: every conversion recipe a user would try, at several budgets, with no training.
+
+    python scripts/oneshot_table.py --model models/smollm2-135m-instruct --out runs/oneshot/smollm2
+    python scripts/oneshot_table.py --model M --out O --recipes xecomla act_high_rorope_act --budgets 64+32
+
+For each recipe (init.method x mla.rope_dims x mla.rope_key) and each budget r_kv + d_r, it converts the model
+with `ecomla convert`'s own code (activation inits calibrate on `pytext:calibration`), then measures the
+converted model against the source on held-out blocks of both pytext domains: perplexity, KL(source‖converted)
+and top-1 agreement per token. Each cell is written to OUT/cells/NAME.json as it finishes, and a rerun
+reuses the cells whose settings match, so an interrupted run resumes. Writes OUT/table.md, OUT/table.json and
+OUT/chart.png (held-out perplexity against compression, one line per recipe, one panel per domain).
+Converted checkpoints are deleted once measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from ecomla.convert.converter import Converter  # noqa: E402
+from ecomla.convert.metrics import agreement  # noqa: E402
+from ecomla.convert.plan import make_plan  # noqa: E402
+from ecomla.convert.recipe import ConvertRecipe  # noqa: E402
+from ecomla.data.text import iter_texts, token_blocks  # noqa: E402
+from ecomla.recipe.schema import load_recipe  # noqa: E402
+
+# name -> (init.method, mla.rope_dims, mla.rope_key); the first is X-EcoMLA's recipe, the converter's defaults
+RECIPES = {
+    "xecomla": ("svd", "last", "mean"),
+    "svd_high_mean": ("svd", "high", "mean"),
+    "svd_high_rorope": ("svd", "high", "rorope"),
+    "act_last_mean": ("activation", "last", "mean"),
+    "act_high_mean": ("activation", "high", "mean"),
+    "act_norm_rorope_act": ("activation", "norm", "rorope_act"),
+    "act_high_rorope_act": ("activation", "high", "rorope_act"),
+}
+BUDGETS = ("160+32", "96+32", "64+32", "28+32", "128+64")
+DOMAINS = ("prose", "code")
+
+
+def parse_budget(text: str) -> tuple[int, int]:
+    try:
+        r_kv, d_r = (int(x) for x in text.split("+"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: a budget is R_KV+D_R, e.g. 64+32") from None
+    return r_kv, d_r
+
+
+def convert(args, name: str, r_kv: int, d_r: int, out: Path) -> dict:
+    method, dims, key = RECIPES[name]
+    data = {"model": args.model, "output_dir": str(out), "dtype": "float32", "device": "cpu",
+            "mla": {"kv_lora_rank": r_kv, "qk_rope_head_dim": d_r, "rope_dims": dims, "rope_key": key},
+            "init": {"method": method}}
+    if method == "activation":
+        data["init"]["calibration"] = {"dataset": "pytext:calibration", "num_tokens": args.calibration_tokens,
+                                       "seq_len": args.seq_len, "heldout_tokens": 0}
+    recipe = load_recipe(ConvertRecipe, data=data)
+    return Converter(make_plan(recipe, force=True), force=True, progress=False).run()
+
+
+@torch.no_grad()
+def logprobs(model, ids: torch.Tensor) -> list[torch.Tensor]:
+    """(N·(T-1), V) log-probabilities per block batch of 4, in float64 for the KL."""
+    return [torch.log_softmax(model(b).logits[:, :-1].double(), -1).reshape(-1, model.config.vocab_size)
+            for b in ids.split(4)]
+
+
+def measure(model_dir: Path, source_logp: dict, blocks: dict) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = {}
+    for domain, ids in blocks.items():
+        cand = logprobs(model, ids)
+        targets = [b[:, 1:].reshape(-1) for b in ids.split(4)]
+        out[domain] = agreement(zip(source_logp[domain], cand, targets))
+    return out
+
+
+def plot(rows: list[dict], source: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(DOMAINS), figsize=(11, 4.4))
+    for ax, domain in zip(axes, DOMAINS):
+        for name in RECIPES:
+            pts = sorted((r["compression"], r[domain]["converted_perplexity"]) for r in rows if r["recipe"] == name)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=name)
+        ax.axhline(source[domain], color="k", linestyle="--", label="source")
+        ax.set_yscale("log")
+        ax.set_xlabel("KV compression (×)")
+        ax.set_ylabel("held-out perplexity (log)")
+        ax.set_title(f"{domain}, no training")
+        ax.grid(alpha=0.3, which="both")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def table(rows: list[dict], source: dict) -> str:
+    lines = [f"Source: held-out perplexity {source['prose']:.2f} (prose), {source['code']:.2f} (code).", "",
+             "| recipe | init | rope_dims | rope_key | r_kv + d_r | ratio | ppl prose | ppl code | KL prose | KL code "
+             "| top-1 prose | top-1 code | seconds |", "|" + "---|" * 13]
+    for r in sorted(rows, key=lambda r: (r["compression"], r["budget"], r["prose"]["converted_perplexity"])):
+        method, dims, key = RECIPES[r["recipe"]]
+        p, c = r["prose"], r["code"]
+        lines.append(f"| {r['recipe']} | {method} | {dims} | {key} | {r['budget']} | {r['compression']:.2f}× "
+                     f"| {p['converted_perplexity']:,.1f} | {c['converted_perplexity']:,.1f} "
+                     f"| {p['kl_source_to_converted']:.3f} | {c['kl_source_to_converted']:.3f} "
+                     f"| {p['top1_agreement']:.1%} | {c['top1_agreement']:.1%} | {r['seconds']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True, help="source checkpoint directory")
+    p.add_argument("--out", required=True, help="output directory (cells/, table.md, table.json, chart.png)")
+    p.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES), help="recipes to run")
+    p.add_argument("--budgets", nargs="+", type=parse_budget, default=[parse_budget(b) for b in BUDGETS],
+                   help=f"R_KV+D_R budgets (default: {' '.join(BUDGETS)})")
+    p.add_argument("--calibration-tokens", type=int, default=16384, help="activation inits: calibration tokens")
+    p.add_argument("--eval-tokens", type=int, default=4096, help="held-out tokens per domain")
+    p.add_argument("--seq-len", type=int, default=512, help="block length for calibration and held-out text")
+    args = p.parse_args(argv)
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = Path(args.out)
+    (out / "cells").mkdir(parents=True, exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(args.model)
+    n_blocks = args.eval_tokens // args.seq_len
+    blocks = {d: token_blocks(iter_texts(f"pytext:heldout:{d}"), tok, args.seq_len, n_blocks) for d in DOMAINS}
+    source_model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    source_logp = {d: logprobs(source_model, ids) for d, ids in blocks.items()}
+    del source_model
+    targets = {d: [b[:, 1:].reshape(-1) for b in ids.split(4)] for d, ids in blocks.items()}
+    source = {d: agreement(zip(source_logp[d], source_logp[d], targets[d]))["source_perplexity"] for d in DOMAINS}
+    settings = {"model": str(Path(args.model).resolve()), "calibration_tokens": args.calibration_tokens,
+                "eval_tokens": args.eval_tokens, "seq_len": args.seq_len}
+    rows = []
+    cells = [(name, r_kv, d_r) for (r_kv, d_r) in args.budgets for name in args.recipes]
+    for i, (name, r_kv, d_r) in enumerate(cells, 1):
+        cell = out / "cells" / f"{name}_{r_kv}+{d_r}.json"
+        if cell.is_file() and json.loads(cell.read_text()).get("settings") == settings:
+            rows.append(json.loads(cell.read_text()))
+            print(f"[{i}/{len(cells)}] {name} {r_kv}+{d_r}: reused")
+            continue
+        t0 = time.time()
+        ckpt = out / "ckpt"
+        report = convert(args, name, r_kv, d_r, ckpt)
+        row = {"recipe": name, "budget": f"{r_kv}+{d_r}", "kv_lora_rank": r_kv, "qk_rope_head_dim": d_r,
+               "compression": report["compression_ratio"], **measure(ckpt, source_logp, blocks),
+               "convert_seconds": report["seconds"], "seconds": time.time() - t0, "settings": settings}
+        shutil.rmtree(ckpt, ignore_errors=True)
+        cell.write_text(json.dumps(row, indent=2) + "\n")
+        rows.append(row)
+        print(f"[{i}/{len(cells)}] {name} {r_kv}+{d_r} ({row['compression']:.2f}x): ppl prose "
+              f"{row['prose']['converted_perplexity']:,.1f}, code {row['code']['converted_perplexity']:,.1f} "
+              f"({row['seconds']:.0f} s)", flush=True)
+    (out / "table.json").write_text(json.dumps({"source": source, "rows": rows}, indent=2) + "\n")
+    (out / "table.md").write_text(table(rows, source))
+    plot(rows, source, out / "chart.png")
+    print(table(rows, source), end="")
+    print(f"wrote {out}/table.md, table.json and chart.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
