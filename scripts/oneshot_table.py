@@ -134,7 +134,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calibration-tokens", type=int, default=16384, help="activation inits: calibration tokens")
     p.add_argument("--eval-tokens", type=int, default=4096, help="held-out tokens per domain")
     p.add_argument("--seq-len", type=int, default=512, help="block length for calibration and held-out text")
+    p.add_argument("--table-only", action="store_true",
+                   help="rebuild table.md, table.json and chart.png from the finished cells; convert nothing")
     args = p.parse_args(argv)
+    if args.table_only:
+        rows = [json.loads(c.read_text()) for c in sorted((Path(args.out) / "cells").glob("*.json"))]
+        if not rows:
+            p.error(f"{args.out}/cells holds no finished cell")
+        return write_outputs(Path(args.out), rows, {d: rows[0][d]["source_perplexity"] for d in DOMAINS})
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -170,6 +177,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{i}/{len(cells)}] {name} {r_kv}+{d_r} ({row['compression']:.2f}x): ppl prose "
               f"{row['prose']['converted_perplexity']:,.1f}, code {row['code']['converted_perplexity']:,.1f} "
               f"({row['seconds']:.0f} s)", flush=True)
+    return write_outputs(out, rows, source)
+
+
+def write_outputs(out: Path, rows: list[dict], source: dict) -> int:
     (out / "table.json").write_text(json.dumps({"source": source, "rows": rows}, indent=2) + "\n")
     (out / "table.md").write_text(table(rows, source))
     plot(rows, source, out / "chart.png")

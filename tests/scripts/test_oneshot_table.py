@@ -1,7 +1,8 @@
 """scripts/oneshot_table.py on a tiny random Llama: every recipe at a budget, one table, and a resumable rerun.
 
 Proves: each recipe converts and is measured on both pytext domains against the source (the source against
-itself agrees exactly); the wider latent of the same recipe is no worse on KL; a rerun reuses every cell.
+itself agrees exactly); the wider latent of the same recipe is no worse on KL; a rerun reuses every cell,
+and --table-only rebuilds the same table from the cells alone.
 """
 
 from __future__ import annotations
@@ -39,3 +40,9 @@ def test_every_recipe_at_every_budget_then_a_rerun_reuses_them(source_factory, t
     assert not (tmp_path / "out" / "ckpt").exists()
     again = _run(src, tmp_path / "out")
     assert again.returncode == 0 and again.stdout.count(": reused") == len(rows)
+    md = (tmp_path / "out" / "table.md").read_text()
+    (tmp_path / "out" / "table.md").unlink()
+    cmd = [sys.executable, str(ROOT / "scripts" / "oneshot_table.py"), "--model", str(src), "--out",
+           str(tmp_path / "out"), "--table-only"]
+    assert subprocess.run(cmd, capture_output=True, cwd=ROOT).returncode == 0
+    assert (tmp_path / "out" / "table.md").read_text() == md
