@@ -74,16 +74,11 @@ def logprobs(model, ids: torch.Tensor) -> list[torch.Tensor]:
             for b in ids.split(4)]
 
 
-def measure(model_dir: Path, source_logp: dict, blocks: dict) -> dict:
+def measure(model_dir: Path, source_logp: dict, blocks: dict, targets: dict) -> dict:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    out = {}
-    for domain, ids in blocks.items():
-        cand = logprobs(model, ids)
-        targets = [b[:, 1:].reshape(-1) for b in ids.split(4)]
-        out[domain] = agreement(zip(source_logp[domain], cand, targets))
-    return out
+    return {d: agreement(zip(source_logp[d], logprobs(model, ids), targets[d])) for d, ids in blocks.items()}
 
 
 def plot(rows: list[dict], source: dict, path: Path) -> None:
@@ -169,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         ckpt = out / "ckpt"
         report = convert(args, name, r_kv, d_r, ckpt)
         row = {"recipe": name, "budget": f"{r_kv}+{d_r}", "kv_lora_rank": r_kv, "qk_rope_head_dim": d_r,
-               "compression": report["compression_ratio"], **measure(ckpt, source_logp, blocks),
+               "compression": report["compression_ratio"], **measure(ckpt, source_logp, blocks, targets),
                "convert_seconds": report["seconds"], "seconds": time.time() - t0, "settings": settings}
         shutil.rmtree(ckpt, ignore_errors=True)
         cell.write_text(json.dumps(row, indent=2) + "\n")
