@@ -5,6 +5,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
-export HF_HOME="$PWD/.cache/hf" TORCH_EXTENSIONS_DIR="$PWD/.cache/torch_extensions"
-export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+. scripts/env.sh
 exec python -m pytest -q --durations=15 "$@"  # the 15 slowest, so a slower CI says where

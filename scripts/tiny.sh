@@ -6,6 +6,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 # Everything stays in the checkout and offline: the zoo, tasks and corpus generator are all local.
-export HF_HOME="$PWD/.cache/hf" TORCH_EXTENSIONS_DIR="$PWD/.cache/torch_extensions"
-export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+. scripts/env.sh
 exec .venv/bin/ecomla run recipes/xecomla_tiny.yaml "$@"
