@@ -11,6 +11,7 @@
     ecomla report RUN_DIR             (rebuild the table and chart from saved eval results)
     ecomla run RECIPE.yaml            (the main job: convert -> distill -> eval -> report, stages cached)
     ecomla variants RECIPE.yaml       (MHA/GQA/MQA/MLA/LRKV pretrained from scratch at equal params and tokens)
+    ecomla export gguf CKPT OUT.gguf  (a GGUF for llama.cpp, by llama.cpp's own converter)
 
 Every recipe key, its type, default and meaning is listed by `ecomla <job> --help`.
 Recipe problems are reported all at once, by dotted key, before anything runs.
@@ -50,6 +51,12 @@ def _fetch(args: argparse.Namespace) -> None:
     print(fetch(args.model, args.output, force=args.force))
 
 
+def _export_gguf(args: argparse.Namespace) -> None:
+    from ecomla.export.gguf import export_gguf
+
+    export_gguf(args.checkpoint, args.output, outtype=args.outtype, converter=args.converter, force=args.force)
+
+
 def _convert(args: argparse.Namespace) -> None:
     from ecomla.convert.converter import Converter
     from ecomla.convert.plan import make_plan
@@ -74,11 +81,8 @@ def _analyze_recon(args: argparse.Namespace) -> None:
     run_recon(recipe, force=args.force, progress=not args.quiet)
 
 
-PRETRAIN_DEFAULTS = ["loss.kind=none", "loss.kd_weight=0.0", "loss.ce_weight=1.0", "teacher.source=none"]
-
-
 def _distill_recipe(args: argparse.Namespace, pretrain: bool = False):
-    from ecomla.distill.recipe import DistillRecipe
+    from ecomla.distill.recipe import PRETRAIN_DEFAULTS, DistillRecipe
 
     overrides = (PRETRAIN_DEFAULTS if pretrain else []) + list(args.overrides)
     return load_recipe(DistillRecipe, args.recipe, overrides=overrides)
@@ -297,6 +301,32 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_recipe_args(p)
     p.set_defaults(func=_variants)
+
+    from ecomla.export.gguf import LLAMA_CPP_VERSION, OUTTYPES, converter_dir
+
+    export = sub.add_parser("export", help="write a checkpoint in a serving engine's format (see `ecomla export "
+                            "--help`)")
+    esub = export.add_subparsers(dest="format", metavar="FORMAT", required=True)
+    p = esub.add_parser(
+        "gguf",
+        help="a GGUF file for llama.cpp (an ecomla MLA checkpoint, or its source Llama), by llama.cpp's converter",
+        description="Write CHECKPOINT as a GGUF file with llama.cpp's own convert_hf_to_gguf.py. An ecomla MLA "
+        "checkpoint becomes llama.cpp's DEEPSEEK2 architecture, whose cache holds only the latent and the shared "
+        "RoPE key; a Llama exports as itself, for comparison. The converter comes from the llama-cpp-python sdist "
+        "(the installed version, else " + LLAMA_CPP_VERSION + "), downloaded once from the package index by pip "
+        f"into {converter_dir().parent}/ ($ECOMLA_CACHE moves it), or from --converter DIR. The checkpoint is not "
+        "changed: what llama.cpp reads differently (q_lora_rank null, a single routed expert) is fixed in a "
+        "temporary copy of config.json, and each fix is printed.",
+        formatter_class=fmt,
+    )
+    p.add_argument("checkpoint", help="a Hugging Face checkpoint directory (ecomla convert/distill output, or a Llama)")
+    p.add_argument("output", help="the .gguf file to write (written under a temporary name, renamed when whole)")
+    p.add_argument("--outtype", choices=OUTTYPES, default="f16", help="tensor type (default f16; f32 for exact "
+                   "comparisons, q8_0 for the smallest file)")
+    p.add_argument("--converter", default=None, metavar="DIR",
+                   help="a llama.cpp directory with convert_hf_to_gguf.py (default: the one from the sdist)")
+    p.add_argument("--force", action="store_true", help="replace OUTPUT if it exists")
+    p.set_defaults(func=_export_gguf)
     return parser
 
 
@@ -307,6 +337,7 @@ def _errors() -> tuple[type[BaseException], ...]:
     from ecomla.distill.ds_config import DeepSpeedConfigError
     from ecomla.distill.models import ModelSetupError
     from ecomla.distill.trainer import TrainingError
+    from ecomla.export.gguf import ExportError
     from ecomla.fetch import FetchError
     from ecomla.eval.report import ReportError
     from ecomla.eval.runner import EvalError
@@ -316,7 +347,7 @@ def _errors() -> tuple[type[BaseException], ...]:
 
     return (CliError, RecipeError, PlanError, SourceError, CheckpointError, DataError, FileExistsError,
             TrainingError, ModelSetupError, DeepSpeedConfigError, EvalError, ReportError, SweepError,
-            VariantsReportError, FetchError)
+            VariantsReportError, FetchError, ExportError)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -96,6 +96,19 @@ def _package_file(model: PackagedModel) -> tuple[Path, str]:
     return path, version
 
 
+def save_tokenizer(name: str, output: str | Path) -> Path:
+    """Write only the tokenizer of a packaged model to `output` (seconds: no weights are read).
+
+    For tiny random models that need a real tokenizer, e.g. one that llama.cpp's converter knows.
+    """
+    from transformers import AutoTokenizer
+
+    model = _lookup(name)
+    path, _ = _package_file(model)
+    AutoTokenizer.from_pretrained(str(path.parent), gguf_file=model.gguf_file).save_pretrained(output)
+    return Path(output)
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -143,6 +156,7 @@ def _write(model: PackagedModel, gguf_path: Path, out: Path, stamp: dict, *, ove
     if hasattr(config, "quantization_config"):  # save_pretrained refuses a config that says "gguf"
         del config.quantization_config
     config.dtype = torch.bfloat16
+    config.architectures = [type(source).__name__]  # a config read from GGUF has none; llama.cpp's converter needs it
     tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
     with AtomicCheckpointWriter(out, overwrite=overwrite) as writer:
         for key, tensor in source.state_dict().items():

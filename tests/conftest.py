@@ -1,6 +1,6 @@
 """Shared fixtures: tiny random source checkpoints and a tiny byte-level BPE tokenizer, all offline.
 
-Caches (HF_HOME, TORCH_EXTENSIONS_DIR) live inside the repo's .cache/ so tests
+Caches (HF_HOME, TORCH_EXTENSIONS_DIR, ECOMLA_CACHE) live inside the repo's .cache/ so tests
 never touch the user's home directory, and the hubs are switched off.
 """
 
@@ -15,6 +15,7 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_exten
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("ECOMLA_CACHE", str(ROOT / ".cache" / "ecomla"))  # llama.cpp's converter, once unpacked
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -1,0 +1,1 @@
+"""Exports of ecomla checkpoints to serving engines' own formats (llama.cpp's GGUF)."""

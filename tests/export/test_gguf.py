@@ -1,0 +1,105 @@
+"""`ecomla export gguf`: ecomla checkpoints and their source Llamas through llama.cpp's converter and engine.
+
+Proves: what llama.cpp reads differently in a dense DeepSeek-V3 config is fixed in the converter's input only,
+and a MoE config, a missing config, a wrong suffix and an output in the way are refused; a tiny random Llama
+(with SmolLM2's real tokenizer, which llama.cpp knows) and its MLA conversion both export, load in llama.cpp,
+give transformers' logits (with f32 cache cells), and cache exactly the bytes per token that their formulas say: 2 * n_kv * d_h per
+layer for the Llama, r_kv + d_r per layer for MLA (2 bytes each in llama.cpp's default f16 cells, 4 in f32).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from ecomla.export.gguf import ExportError, converter_config, export_gguf
+from tests.convert.helpers import convert, load
+from tests.tiny import make_source
+
+DENSE = {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 2,
+         "first_k_dense_replace": 2, "q_lora_rank": None,
+         "n_routed_experts": 1, "n_group": 1, "topk_group": 1, "num_experts_per_tok": 1}
+
+
+def test_converter_input_fixes_only_what_llama_cpp_reads_differently():
+    cfg, notes = converter_config(DENSE)
+    assert cfg["q_lora_rank"] == 0 and cfg["n_routed_experts"] == 2 and cfg["n_group"] == 1 and len(notes) == 2
+    assert DENSE["q_lora_rank"] is None  # the checkpoint's own config is not touched
+    cfg, notes = converter_config({**DENSE, "q_lora_rank": 32, "n_routed_experts": 4})
+    assert cfg["q_lora_rank"] == 32 and cfg["n_routed_experts"] == 4 and notes == []
+    llama = {"model_type": "llama", "num_hidden_layers": 2, "architectures": ["LlamaForCausalLM"]}
+    assert converter_config(llama) == (llama, [])
+    cfg, notes = converter_config({"model_type": "llama", "num_hidden_layers": 2})  # as read from a GGUF
+    assert cfg["architectures"] == ["LlamaForCausalLM"] and "from model_type" in notes[0]
+    with pytest.raises(ExportError, match="MoE layers"):
+        converter_config({**DENSE, "first_k_dense_replace": 1})
+
+
+def test_export_refuses_bad_input(tmp_path):
+    with pytest.raises(ExportError, match="no config.json"):
+        export_gguf(tmp_path, tmp_path / "x.gguf")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ExportError, match="must be a .gguf file"):
+        export_gguf(tmp_path, tmp_path / "x.bin")
+    (tmp_path / "x.gguf").write_text("")
+    with pytest.raises(ExportError, match="already exists; pass --force"):
+        export_gguf(tmp_path, tmp_path / "x.gguf")
+    with pytest.raises(ExportError, match="has no convert_hf_to_gguf.py"):
+        export_gguf(tmp_path, tmp_path / "y.gguf", converter=tmp_path)
+    assert not list(tmp_path.glob(".*partial"))
+
+
+@pytest.fixture(scope="module")
+def smol_tokenizer(tmp_path_factory):
+    from ecomla.fetch import save_tokenizer
+
+    return save_tokenizer("smollm2-135m-instruct", tmp_path_factory.mktemp("smol_tok"))
+
+
+def _hf_logits(path, ids):
+    with torch.no_grad():
+        return load(path)(torch.tensor([ids])).logits[0].numpy()
+
+
+@pytest.mark.slow
+def test_a_tiny_llama_and_its_mla_conversion_run_in_llama_cpp(tmp_path, smol_tokenizer):
+    from ecomla.export import engine
+
+    # head_dim 32: llama.cpp's CPU kernels want head sizes it has; rms_norm_eps 1e-6 as transformers'
+    # kv_a_layernorm, so that the one known difference (llama.cpp's norm ε for the latent) is not in play.
+    source = make_source(tmp_path / "llama", smol_tokenizer, hidden_size=128, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6)
+    mla = tmp_path / "mla"
+    convert(source, mla, mla={"kv_lora_rank": 48, "qk_rope_head_dim": 16, "rope_dims": "high"})
+    cfg = json.loads((mla / "config.json").read_text())
+    layers, n_kv, d_h = 2, 2, 32
+    ids = [int(i) for i in torch.randint(100, 40000, (48,), generator=torch.Generator().manual_seed(0))]
+    for name, path, cached in (("llama", source, 2 * n_kv * d_h), ("mla", mla, 48 + 16)):
+        gguf = export_gguf(path, tmp_path / f"{name}.gguf", outtype="f32", quiet=True)
+        exact = engine.load(gguf, n_ctx=128, cache="f32")
+        ours, theirs = engine.logits(exact, ids), _hf_logits(path, ids)
+        assert ours.shape == theirs.shape
+        np.testing.assert_allclose(ours, theirs, atol=2e-4, rtol=0, err_msg=name)
+        # as served: llama.cpp's default f16 cells, 2 bytes per cached number, per token and layer
+        served = engine.load(gguf, n_ctx=128)
+        assert engine.kv_bytes_per_token(served, ids, 16, 48) == cached * layers * 2, name
+        assert engine.kv_bytes_per_token(exact, ids, 16, 48) == cached * layers * 4, name
+    assert cfg["q_lora_rank"] is None  # the exported checkpoint itself is unchanged
+
+
+def test_cli_export_gguf_help_and_errors(tmp_path, capsys):
+    from ecomla.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["export", "gguf", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "--outtype" in out and "q8_0" in out and "llama-cpp-python sdist" in out
+    assert main(["export", "gguf", str(tmp_path), str(tmp_path / "m.gguf")]) == 2
+    assert "no config.json" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["export", "gguf", str(tmp_path), str(tmp_path / "m.gguf"), "--outtype", "q4"])
+    assert "invalid choice: 'q4'" in capsys.readouterr().err
