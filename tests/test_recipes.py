@@ -8,9 +8,8 @@ import pytest
 import yaml
 
 from ecomla.analyze.recon import ReconRecipe
-from ecomla.cli import PRETRAIN_DEFAULTS
 from ecomla.convert.recipe import ConvertRecipe
-from ecomla.distill.recipe import DistillRecipe
+from ecomla.distill.recipe import PRETRAIN_DEFAULTS, DistillRecipe
 from ecomla.eval.recipe import EvalRecipe
 from ecomla.recipe.schema import load_recipe
 from ecomla.run.recipe import RunRecipe

@@ -172,6 +172,11 @@ class LogConfig:
     wandb_project: str | None = knob(None, help="Also log to this W&B project when wandb is installed")
 
 
+# `ecomla pretrain` is this recipe with the loss fixed to next-token CE and no teacher: these overrides go
+# before the user's own `--set`s (the CLI and `ecomla variants` apply them alike).
+PRETRAIN_DEFAULTS = ["loss.kind=none", "loss.kd_weight=0.0", "loss.ce_weight=1.0", "teacher.source=none"]
+
+
 @dataclass(kw_only=True)
 class DistillRecipe:
     """A training run. Launch: `deepspeed --module ecomla.distill R.yaml`, `torchrun -m ecomla.distill R.yaml`, or `ecomla distill R.yaml`."""

@@ -63,8 +63,7 @@ def plan(recipe: SweepRecipe) -> list[Run]:
     """Every run, with its matched config and key; recipe problems raise before anything runs."""
     from transformers import AutoTokenizer
 
-    from ecomla.cli import PRETRAIN_DEFAULTS
-    from ecomla.distill.recipe import DistillRecipe
+    from ecomla.distill.recipe import PRETRAIN_DEFAULTS, DistillRecipe
 
     tok_dir = tokenizer_dir(recipe)
     tok = AutoTokenizer.from_pretrained(tok_dir)
