@@ -302,7 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_recipe_args(p)
     p.set_defaults(func=_variants)
 
-    from ecomla.export.gguf import LLAMA_CPP_VERSION, OUTTYPES, converter_dir
+    from ecomla.export.gguf import LLAMA_CPP_VERSION, OUTTYPES, cache_root
 
     export = sub.add_parser("export", help="write a checkpoint in a serving engine's format (see `ecomla export "
                             "--help`)")
@@ -314,8 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpoint becomes llama.cpp's DEEPSEEK2 architecture, whose cache holds only the latent and the shared "
         "RoPE key; a Llama exports as itself, for comparison. The converter comes from the llama-cpp-python sdist "
         "(the installed version, else " + LLAMA_CPP_VERSION + "), downloaded once from the package index by pip "
-        f"into {converter_dir().parent}/ ($ECOMLA_CACHE moves it), or from --converter DIR. The checkpoint is not "
-        "changed: what llama.cpp reads differently (q_lora_rank null, a single routed expert) is fixed in a "
+        f"into {cache_root()}/ ($ECOMLA_CACHE moves it), or from --converter DIR. The checkpoint is not "
+        "changed: what llama.cpp reads differently (q_lora_rank null, a single routed expert, a missing "
+        "architectures) is fixed in a "
         "temporary copy of config.json, and each fix is printed.",
         formatter_class=fmt,
     )

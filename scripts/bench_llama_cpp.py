@@ -49,15 +49,6 @@ def _hf_nll(path: Path, blocks: list[list[int]]) -> float:
     return total / n
 
 
-def _formula(config: dict) -> int:
-    """KV numbers per token, all layers: the MLA latent + shared RoPE key, or every KV head's K and V."""
-    layers = config["num_hidden_layers"]
-    if config.get("model_type") == "deepseek_v3":
-        return (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * layers
-    head = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    return 2 * config["num_key_value_heads"] * head * layers
-
-
 def _chat(llm, tok) -> str:
     prompt = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
                                      tokenize=False)
@@ -79,6 +70,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
+    from ecomla.eval.kv import kv_elements_per_token
     from ecomla.export import engine
     from ecomla.export.gguf import export_gguf
 
@@ -105,7 +97,7 @@ def main() -> None:
         del llm
         llm = engine.load(f16, n_ctx=max(args.contexts) + args.steps + 8, threads=args.threads, logits_all=False)
         row["kv_bytes_per_token"] = engine.kv_bytes_per_token(llm, context, 256, 512)
-        row["kv_bytes_formula_f16"] = _formula(config) * 2
+        row["kv_bytes_formula_f16"] = kv_elements_per_token(config) * 2  # the converter's formula, f16 cells
         row["decode_tok_s"] = {str(c): engine.decode_rate(llm, context[:c], args.steps) for c in args.contexts}
         row["chat"] = _chat(llm, tok)
         del llm

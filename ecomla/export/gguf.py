@@ -33,16 +33,15 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 OutType = Literal["f32", "f16", "bf16", "q8_0"]
-OUTTYPES: tuple[str, ...] = ("f32", "f16", "bf16", "q8_0")
+OUTTYPES: tuple[str, ...] = get_args(OutType)
 LLAMA_CPP_VERSION = "0.3.36"  # the sdist whose converter is used when llama-cpp-python is not installed
 CONVERTER = "convert_hf_to_gguf.py"
 VENDORED = ("convert_hf_to_gguf.py", "conversion", "gguf-py")  # what is unpacked from vendor/llama.cpp/
@@ -60,10 +59,14 @@ def llama_cpp_version() -> str:
         return LLAMA_CPP_VERSION
 
 
+def cache_root() -> Path:
+    """$ECOMLA_CACHE, default ~/.cache/ecomla: where unpacked converters live."""
+    return Path(os.environ.get("ECOMLA_CACHE") or Path.home() / ".cache" / "ecomla")
+
+
 def converter_dir(version: str | None = None) -> Path:
-    """Where the unpacked converter of `version` lives: $ECOMLA_CACHE (default ~/.cache/ecomla)/llama.cpp-V."""
-    root = Path(os.environ.get("ECOMLA_CACHE") or Path.home() / ".cache" / "ecomla")
-    return root / f"llama.cpp-{version or llama_cpp_version()}"
+    """Where the unpacked converter of `version` (default: the installed one) lives: cache_root()/llama.cpp-V."""
+    return cache_root() / f"llama.cpp-{version or llama_cpp_version()}"
 
 
 def ensure_converter(directory: str | Path | None = None, *, quiet: bool = False) -> Path:
