@@ -122,7 +122,8 @@ def plan(recipe: RunRecipe) -> list[Stage]:
         for init in recipe.inits:
             label = f"convert-{format_ratio(ratio)}-{init}"
             fills = {"model": recipe.base, "output_dir": "", "mla.target_compression": ratio, "init.method": init}
-            sub = _sub_recipe(ConvertRecipe, "convert", recipe.convert, fills)
+            section = "convert" if ratio not in recipe.convert_by_ratio else f"convert (at {ratio}x)"
+            sub = _sub_recipe(ConvertRecipe, section, recipe.convert_for(ratio), fills)
             key = digest("convert", recipe_to_dict(sub), base_fp)
             stage = Stage("convert", label, sub, key, out / f"{label}-{key}", {"ratio": ratio, "init": init})
             sub.output_dir = str(stage.model_dir)

@@ -15,6 +15,14 @@ from typing import Any
 
 from ecomla.recipe.schema import knob
 
+def merged(base: dict, over: dict) -> dict:
+    """A copy of `base` with `over` merged in, key by key at every depth (a non-dict value replaces)."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
 # Keys of the sub-recipes that `ecomla run` sets for each stage; a recipe that sets them is refused.
 FILLED = {
     "convert": ("model", "output_dir", "mla.kv_lora_rank", "mla.target_compression", "init.method"),
@@ -47,6 +55,11 @@ class RunRecipe:
         "of distill_teachers)"
     )
     convert: dict[str, Any] = knob(default_factory=dict, help="An `ecomla convert` recipe without its filled keys")
+    convert_by_ratio: dict[float, dict[str, Any]] = knob(
+        default_factory=dict,
+        help="Ratio -> `convert` keys merged over `convert` for that ratio only, e.g. {4.0: {mla: "
+        "{qk_rope_head_dim: 32, rope_dims: norm}}}: the best d_r and RoPE dims differ between ratios",
+    )
     eval: dict[str, Any] = knob(default_factory=dict, help="An `ecomla eval` recipe without models and output_dir")
 
     def check(self) -> list[str]:
@@ -66,13 +79,21 @@ class RunRecipe:
                 problems.append(f"distill_teachers: {t!r} is not a key of teachers ({', '.join(self.teachers)})")
         if not self.distill_teachers:
             problems.append("distill_teachers: name at least one teacher")
-        for section, keys in FILLED.items():
-            body = getattr(self, section)
-            for key in keys:
+        sections = [(section, getattr(self, section)) for section in FILLED]
+        sections += [(f"convert_by_ratio.{r}", body) for r, body in self.convert_by_ratio.items()]
+        for section, body in sections:
+            for key in FILLED[section.partition("_")[0]]:
                 head, _, rest = key.partition(".")
                 if head in body and (not rest or (isinstance(body[head], dict) and rest in body[head])):
                     problems.append(f"{section}.{key}: set by `ecomla run` for each stage; remove it")
+        for r in self.convert_by_ratio:
+            if r not in self.ratios:
+                problems.append(f"convert_by_ratio: {r} is not one of ratios {self.ratios}")
         return problems
+
+    def convert_for(self, ratio: float) -> dict[str, Any]:
+        """The `convert` section of one ratio: `convert` with that ratio's `convert_by_ratio` keys merged in."""
+        return merged(self.convert, self.convert_by_ratio.get(ratio, {}))
 
     @property
     def main_init(self) -> str:

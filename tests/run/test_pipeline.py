@@ -66,6 +66,27 @@ def test_plan_stages_and_keys(world, tmp_path):
     assert stages[4].recipe.teacher.model == str(world["teacher"])
 
 
+def test_convert_keys_per_ratio(world, tmp_path):
+    by_ratio = {4.0: {"mla": {"qk_rope_head_dim": 4, "rope_dims": "high"}}}
+    stages = plan(run_recipe(world, tmp_path / "r", convert_by_ratio=by_ratio))
+    plain = plan(run_recipe(world, tmp_path / "r"))
+    for s, p in zip(stages, plain):
+        if s.kind != "convert":
+            continue
+        at_4x = s.info["ratio"] == 4.0
+        assert s.recipe.mla.qk_rope_head_dim == (4 if at_4x else 8)  # merged over convert.mla, key by key
+        assert s.recipe.mla.rope_dims == ("high" if at_4x else "last")
+        assert s.recipe.dtype == "float32"  # the rest of convert still applies
+        assert (s.key == p.key) == (not at_4x)  # only the overridden ratio's stages change
+    with pytest.raises(RecipeError) as err:
+        run_recipe(world, tmp_path / "r", convert_by_ratio={3.0: {"mla": {"kv_lora_rank": 9}}})
+    text = str(err.value)
+    assert "convert_by_ratio: 3.0 is not one of ratios [2.0, 4.0]" in text
+    assert "convert_by_ratio.3.0.mla.kv_lora_rank: set by `ecomla run`" in text
+    with pytest.raises(RecipeError, match=r"convert \(at 4.0x\)\.mla\.rope_dim: unknown key"):
+        plan(run_recipe(world, tmp_path / "r", convert_by_ratio={4.0: {"mla": {"rope_dim": 4}}}))
+
+
 def with_cache(recipe: RunRecipe, **teacher) -> dict:
     return {**recipe.distill, "teacher": {"source": "cache", **teacher}}
 
