@@ -20,29 +20,12 @@ Recipe problems are reported all at once, by dotted key, before anything runs.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Callable, Sequence
 
-from ecomla.recipe.schema import RecipeError, format_fields, load_recipe
+from ecomla.recipe.command import RecipeHelpParser, add_recipe_args, run_job
+from ecomla.recipe.schema import load_recipe
 
-
-class CliError(Exception):
-    """An error to print as one clear message (no traceback), exit status 2."""
-
-
-def _add_recipe_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("recipe", help="path to the YAML recipe")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a recipe key, e.g. --set mla.kv_lora_rank=64 (repeatable; values are YAML)",
-    )
-    p.add_argument("--force", action="store_true", help="replace the output directory if it exists")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
 def _fetch(args: argparse.Namespace) -> None:
@@ -58,20 +41,12 @@ def _export_gguf(args: argparse.Namespace) -> None:
 
 
 def _convert(args: argparse.Namespace) -> None:
-    from ecomla.convert.converter import Converter
-    from ecomla.convert.plan import make_plan
     from ecomla.convert.recipe import ConvertRecipe
+    from ecomla.convert.stream import convert_recipe
     from ecomla.convert.summary import print_summary
 
     recipe = load_recipe(ConvertRecipe, args.recipe, overrides=args.overrides)
-    if recipe.target != "mla":  # gqa, mqa, lrkv: weight-only, one layer at a time
-        from ecomla.convert import targets
-
-        targets.print_summary(targets.convert_target(recipe, force=args.force, progress=not args.quiet))
-        return
-    plan = make_plan(recipe, force=args.force)
-    report = Converter(plan, force=args.force, progress=not args.quiet).run()
-    print_summary(report)
+    print_summary(convert_recipe(recipe, force=args.force, progress=not args.quiet))
 
 
 def _analyze_recon(args: argparse.Namespace) -> None:
@@ -82,10 +57,9 @@ def _analyze_recon(args: argparse.Namespace) -> None:
 
 
 def _distill_recipe(args: argparse.Namespace, pretrain: bool = False):
-    from ecomla.distill.recipe import PRETRAIN_DEFAULTS, DistillRecipe
+    from ecomla.distill.recipe import load_distill_recipe
 
-    overrides = (PRETRAIN_DEFAULTS if pretrain else []) + list(args.overrides)
-    return load_recipe(DistillRecipe, args.recipe, overrides=overrides)
+    return load_distill_recipe(args.recipe, args.overrides, pretrain=pretrain)
 
 
 def _distill(args: argparse.Namespace) -> None:
@@ -146,40 +120,13 @@ def _variants(args: argparse.Namespace) -> None:
 
 
 def _run(args: argparse.Namespace) -> None:
-    from ecomla.run.pipeline import run
-    from ecomla.run.recipe import RunRecipe
+    from ecomla.run.pipeline import run_file
 
-    recipe = load_recipe(RunRecipe, args.recipe, overrides=args.overrides)
-    eval_dir = run(recipe, force=args.force, progress=not args.quiet)
-    print((eval_dir / "report.md").read_text(), end="")
-    print(f"report.md, report.json and chart.png in {eval_dir}")
-
-
-def _recipe_epilog(cls_path: str) -> str:
-    module, name = cls_path.rsplit(":", 1)
-    cls = getattr(__import__(module, fromlist=[name]), name)
-    return "recipe keys:\n" + format_fields(cls)
-
-
-class _Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose epilog lists a recipe class's keys, built only when help is shown.
-
-    Importing every recipe module (and with them torch and transformers) to build the epilogs costs seconds
-    that a command which never prints help should not pay.
-    """
-
-    def __init__(self, *args, recipe: str | None = None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.recipe = recipe  # "module:Class" of the recipe whose keys the epilog lists
-
-    def format_help(self) -> str:
-        if self.recipe is not None and self.epilog is None:
-            self.epilog = _recipe_epilog(self.recipe)
-        return super().format_help()
+    run_file(args.recipe, args.overrides, force=args.force, progress=not args.quiet)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = RecipeHelpParser(
         prog="ecomla",
         description="Upcycle Llama/Mistral/Qwen2 checkpoints into stock DeepSeek-V3 MLA (smaller KV cache), "
         "then distill the quality back.",
@@ -215,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
         recipe="ecomla.convert.recipe:ConvertRecipe",
         formatter_class=fmt,
     )
-    _add_recipe_args(p)
+    add_recipe_args(p)
     p.set_defaults(func=_convert)
 
     analyze = sub.add_parser("analyze", help="analyses of a source model (see `ecomla analyze --help`)")
@@ -229,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
         recipe="ecomla.analyze.recon:ReconRecipe",
         formatter_class=fmt,
     )
-    _add_recipe_args(p)
+    add_recipe_args(p)
     p.set_defaults(func=_analyze_recon)
 
     jobs = [
@@ -249,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, func, short, long in jobs:
         p = sub.add_parser(name, help=short, description=long, recipe="ecomla.distill.recipe:DistillRecipe",
                            formatter_class=fmt)
-        _add_recipe_args(p)
+        add_recipe_args(p)
         p.set_defaults(func=func)
     p = sub.add_parser(
         "eval",
@@ -261,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
         recipe="ecomla.eval.recipe:EvalRecipe",
         formatter_class=fmt,
     )
-    _add_recipe_args(p)
+    add_recipe_args(p)
     p.set_defaults(func=_eval)
 
     p = sub.add_parser(
@@ -286,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
         recipe="ecomla.run.recipe:RunRecipe",
         formatter_class=fmt,
     )
-    _add_recipe_args(p)
+    add_recipe_args(p)
     p.set_defaults(func=_run)
 
     p = sub.add_parser(
@@ -299,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
         recipe="ecomla.variants.recipe:SweepRecipe",
         formatter_class=fmt,
     )
-    _add_recipe_args(p)
+    add_recipe_args(p)
     p.set_defaults(func=_variants)
 
     from ecomla.export.gguf import LLAMA_CPP_VERSION, OUTTYPES, cache_root
@@ -331,36 +278,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _errors() -> tuple[type[BaseException], ...]:
-    from ecomla.convert.plan import PlanError
-    from ecomla.convert.source import SourceError
-    from ecomla.data.text import DataError
-    from ecomla.distill.ds_config import DeepSpeedConfigError
-    from ecomla.distill.models import ModelSetupError
-    from ecomla.distill.trainer import TrainingError
-    from ecomla.export.gguf import ExportError
-    from ecomla.fetch import FetchError
-    from ecomla.eval.report import ReportError
-    from ecomla.eval.runner import EvalError
-    from ecomla.variants.report import VariantsReportError
-    from ecomla.variants.sweep import SweepError
-    from ecomla.io.checkpoint import CheckpointError
-
-    return (CliError, RecipeError, PlanError, SourceError, CheckpointError, DataError, FileExistsError,
-            TrainingError, ModelSetupError, DeepSpeedConfigError, EvalError, ReportError, SweepError,
-            VariantsReportError, FetchError, ExportError)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     func: Callable[[argparse.Namespace], None] = args.func
-    try:
-        func(args)
-    except _errors() as err:
-        if os.environ.get("RANK", "0") == "0":  # one message per run, not one per process
-            print(f"ecomla {args.command}: error: {err}", file=sys.stderr)
-        return 2
-    return 0
+    return run_job(args.command, lambda: func(args))
 
 
 if __name__ == "__main__":

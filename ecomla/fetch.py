@@ -27,11 +27,13 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ecomla.errors import UserError
+
 STAMP = "fetch.json"
 FORMAT = 1  # bump when what fetch writes changes, so older outputs are rewritten
 
 
-class FetchError(ValueError):
+class FetchError(UserError, ValueError):
     """A model cannot be fetched: unknown name, missing package, or an output in the way."""
 
 

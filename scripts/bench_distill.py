@@ -71,7 +71,7 @@ def child_kd(spec: dict) -> dict:
     import torch.nn.functional as F
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from ecomla.distill.losses import LossSpec
+    from ecomla.distill.losses import LossConfig
     from ecomla.distill.teacher import LiveTeacher
     from ecomla.distill.trainer import batch_loss
 
@@ -85,7 +85,7 @@ def child_kd(spec: dict) -> dict:
     live = LiveTeacher(teacher, 1.0)
 
     def kd_step() -> None:
-        sums = batch_loss(student, live, batch, list(range(B)), LossSpec(), cross_document=True,
+        sums = batch_loss(student, live, batch, list(range(B)), LossConfig(), cross_document=True,
                           dtype=torch.float32, device=torch.device("cpu"), chunk_tokens=1024)
         (sums.total / sums.tokens).backward()
 
@@ -115,7 +115,7 @@ def child_mem(spec: dict) -> dict:
     """Forward + backward of one loss (or nothing, for the floor) on (T, d) hidden states."""
     import torch
 
-    from ecomla.distill.losses import LossSpec, TeacherDist, chunked_loss
+    from ecomla.distill.losses import LossConfig, TeacherDist, chunked_loss
 
     def run(mode: str, T: int, d: int, V: int, chunk: int = 0, checkpoint: bool = False) -> dict:
         torch.manual_seed(0)
@@ -134,7 +134,7 @@ def child_mem(spec: dict) -> dict:
             loss = (log_p.exp() * (log_p - log_q)).sum(-1).mean()
         else:
             loss = chunked_loss(hidden, head, lambda s, e: TeacherDist.from_logits(t_head(t_hidden[s:e]), 1.0),
-                                targets, LossSpec(), chunk, checkpoint=checkpoint).total / T
+                                targets, LossConfig(), chunk, checkpoint=checkpoint).total / T
         loss.backward()
         return {"loss": float(loss), "seconds": time.perf_counter() - t0}
 

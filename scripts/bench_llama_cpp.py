@@ -70,7 +70,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from ecomla.eval.kv import kv_elements_per_token
+    from ecomla.mla.budget import kv_elements_per_token
     from ecomla.export import engine
     from ecomla.export.gguf import export_gguf
 

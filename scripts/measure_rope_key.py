@@ -26,9 +26,8 @@ from pathlib import Path
 
 import torch
 
-from ecomla.convert.converter import Converter
-from ecomla.convert.plan import make_plan
 from ecomla.convert.recipe import ConvertRecipe
+from ecomla.convert.stream import convert_recipe
 from ecomla.mla.rope_key import inexpressible_reason
 from ecomla.recipe.schema import load_recipe
 
@@ -46,7 +45,7 @@ def convert_once(args, out: Path, rank: int, d_r: int, dims: str, key: str, resi
                                  "seq_len": args.seq_len}},
     }
     recipe = load_recipe(ConvertRecipe, data=data)
-    report = Converter(make_plan(recipe, force=True), force=True, progress=False).run()
+    report = convert_recipe(recipe, force=True, progress=False)
     shutil.rmtree(out, ignore_errors=True)
     return report
 

@@ -26,10 +26,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ecomla.convert.converter import Converter  # noqa: E402
 from ecomla.convert.metrics import agreement  # noqa: E402
-from ecomla.convert.plan import make_plan  # noqa: E402
 from ecomla.convert.recipe import ConvertRecipe  # noqa: E402
+from ecomla.convert.stream import convert_recipe  # noqa: E402
 from ecomla.data.text import iter_texts, token_blocks  # noqa: E402
 from ecomla.recipe.schema import load_recipe  # noqa: E402
 
@@ -64,7 +63,7 @@ def convert(args, name: str, r_kv: int, d_r: int, out: Path) -> dict:
         data["init"]["calibration"] = {"dataset": "pytext:calibration", "num_tokens": args.calibration_tokens,
                                        "seq_len": args.seq_len, "heldout_tokens": 0}
     recipe = load_recipe(ConvertRecipe, data=data)
-    return Converter(make_plan(recipe, force=True), force=True, progress=False).run()
+    return convert_recipe(recipe, force=True, progress=False)
 
 
 @torch.no_grad()

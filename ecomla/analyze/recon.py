@@ -6,8 +6,12 @@ For each N in `token_counts`, the MLA latent of every layer is fitted
 (`init.method=activation`) on the first N calibration tokens of one domain, and
 the relative reconstruction error ‖K−K̂‖/‖K‖ and ‖V−V̂‖/‖V‖ is measured on
 held-out text of the same domain and of others, averaged over layers. Keys
-include the shared RoPE key. The source is walked layer by layer once; every N
-reuses the same activations. Writes recon.json, recon.png and the resolved recipe.
+include the shared RoPE key (and, under `mla.rope_residual: latent`, the residual
+the latent carries). The shape comes from `ecomla convert`'s own plan and the fit
+from its own layer transform (`ecomla.convert.mla.fit_layer`), so every `mla` key
+this analysis accepts means what it means in a conversion. The source is walked
+layer by layer once; every N reuses the same activations. Writes recon.json,
+recon.png and the resolved recipe.
 """
 
 from __future__ import annotations
@@ -22,18 +26,15 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
-from ecomla.convert.fit import make_fitter
 from ecomla.convert.metrics import kv_errors
-from ecomla.convert.plan import PlanError, pick_device
-from ecomla.convert.recipe import MLAConfig, TextSource
-from ecomla.convert.source import LayerRunner, inspect_source
-from ecomla.convert.to_mla import MLAGeometry, SourceAttention, convert_attention
+from ecomla.convert.mla import fit_layer
+from ecomla.convert.plan import MLAPlan, make_plan
+from ecomla.convert.recipe import ConvertRecipe, MLAConfig, TextSource
+from ecomla.convert.source import LayerRunner
+from ecomla.convert.to_mla import SourceAttention
 from ecomla.convert.walk import embed, layer_tensors, normalized_input, source_attention
 from ecomla.data.text import token_blocks
-from ecomla.mla.budget import rank_for_ratio
-from ecomla.mla.latent import second_moment
-from ecomla.mla.rope import rope_split
-from ecomla.recipe.schema import knob, recipe_to_dict, save_recipe
+from ecomla.recipe.schema import knob, load_recipe, recipe_to_dict, save_recipe
 
 
 @dataclass
@@ -41,10 +42,10 @@ class NamedSource(TextSource):
     name: str = knob("", help="Label used in the chart legend (defaults to the file name)")
 
 
-# MLAConfig keys that shape a conversion but not this analysis (per-layer ranks, query rank, what happens to
-# the RoPE residual and how RoPE slots are allocated): a recipe that sets one is refused, not silently ignored.
-UNREAD_MLA_KEYS = ("rank_allocation", "energy_multiple", "q_lora_rank", "rope_residual", "rope_residual_context",
-                   "rope_allocation")
+# MLAConfig keys this analysis refuses rather than ignore: the allocations choose per-layer shapes from one
+# fixed calibration set, which this analysis varies; the query rank and the residual's averaging context shape
+# only the query rows, which play no part in the K/V error.
+UNREAD_MLA_KEYS = ("rank_allocation", "energy_multiple", "rope_allocation", "q_lora_rank", "rope_residual_context")
 
 
 @dataclass
@@ -81,8 +82,9 @@ class ReconRecipe:
         default = MLAConfig()
         for key in UNREAD_MLA_KEYS:
             if getattr(self.mla, key) != getattr(default, key):
-                problems.append(f"mla.{key}: analyze recon fits one uniform latent per layer and does not read this "
-                                f"key; remove it (default {getattr(default, key)!r}) or measure with `ecomla convert`")
+                problems.append(f"mla.{key}: analyze recon does not read this key (the allocations need one fixed "
+                                f"calibration set; the query rows play no part in the K/V error); remove it (default "
+                                f"{getattr(default, key)!r}) or measure with `ecomla convert`")
         return problems
 
 
@@ -94,16 +96,28 @@ def _label(src: NamedSource) -> str:
     return src.name or Path(src.dataset).stem
 
 
+def recon_plan(recipe: ReconRecipe) -> MLAPlan:
+    """The conversion plan of the recipe's `mla`, for the activation fit (the fits below bring their own tokens;
+    the plan reads one block of the calibration source, which the activation recipes require)."""
+    mla = recipe_to_dict(recipe.mla)
+    calibration = {k: v for k, v in recipe_to_dict(recipe.calibration).items() if k != "name"}
+    calibration.update(num_tokens=recipe.seq_len, seq_len=recipe.seq_len, heldout_tokens=0)
+    data = {"model": recipe.model, "output_dir": recipe.output_dir, "mla": mla, "dtype": "float32",
+            "device": recipe.device, "init": {"method": "activation", "ridge": recipe.ridge, "calibration": calibration}}
+    plan = make_plan(load_recipe(ConvertRecipe, data=data), force=True, progress=False)
+    if plan.source.qkv_bias and recipe.mla.q_lora_rank is None:
+        # A query bias needs a query latent in the stock layout; queries play no part here, so take the exact one.
+        mla["q_lora_rank"] = plan.shape.hidden_size + 1
+        plan = make_plan(load_recipe(ConvertRecipe, data=data), force=True, progress=False)
+    return plan
+
+
 def run_recon(recipe: ReconRecipe, *, force: bool = False, progress: bool = True) -> dict:
     out = Path(recipe.output_dir)
     if out.exists() and not force:
         raise FileExistsError(f"{out} already exists; pass --force to replace it")
-    source = inspect_source(recipe.model)
-    shape = source.shape
-    d_r = recipe.mla.qk_rope_head_dim or shape.head_dim // 2
-    rank = recipe.mla.kv_lora_rank or rank_for_ratio(shape, recipe.mla.target_compression, d_r)
-    if rank > shape.hidden_size or d_r > shape.head_dim:
-        raise PlanError([f"mla: r_kv={rank} / d_r={d_r} do not fit hidden size {shape.hidden_size} / head dim {shape.head_dim}"])
+    plan = recon_plan(recipe)
+    source, shape, geo = plan.source, plan.shape, plan.geometry
     tok = AutoTokenizer.from_pretrained(source.directory)
     T = recipe.seq_len
     counts = sorted(recipe.token_counts)
@@ -115,16 +129,8 @@ def run_recon(recipe: ReconRecipe, *, force: bool = False, progress: bool = True
         token_blocks(h.texts(), tok, T, recipe.heldout_tokens // T, skip_blocks=n_fit if _same(h, cal) else 0)
         for h in recipe.heldout
     ]
-    device = pick_device(recipe.device)
-    runner = LayerRunner(source.config, device)
+    runner = LayerRunner(source.config, plan.device)
     eps = float(source.config.rms_norm_eps)
-    geo = MLAGeometry(
-        hidden=shape.hidden_size, n_heads=shape.num_heads, n_kv=shape.num_kv_heads, head_dim=shape.head_dim,
-        rope_dim=d_r, kv_width=rank, q_rank=None, query_scale=1.0, attention_bias=False,
-        rope_key=recipe.mla.rope_key,
-        interleave=recipe.mla.rope_interleave,
-    )
-    split = rope_split(recipe.mla.rope_dims, shape.head_dim, d_r, interleave=recipe.mla.rope_interleave)
     h_fit = embed(source.reader, fit_ids)
     h_held = [embed(source.reader, ids) for ids in held_ids]
     # errors[n_index][heldout_index] = list of (k_err, v_err) per layer
@@ -135,12 +141,12 @@ def run_recon(recipe: ReconRecipe, *, force: bool = False, progress: bool = True
         kv_only = SourceAttention(q_w=src.q_w, k_w=src.k_w, v_w=src.v_w, o_w=src.o_w)  # queries play no part
         y_fit = normalized_input(h_fit, eps)
         ys_held = [normalized_input(h, eps) for h in h_held]
+        split = plan.layers[i].rope
         for n_idx, n in enumerate(counts):
-            fitter = make_fitter("activation", y_fit[:n], recipe.ridge, torch.Generator(), 0.0)
-            rope_cov = second_moment(y_fit[:n]) if geo.rope_key == "rorope_act" else None
-            res = convert_attention(geo, split, kv_only, rank, fitter, None, rope_cov)
+            res, _ = fit_layer(plan, i, kv_only, y_fit[:n], torch.Generator())
             for h_idx, y in enumerate(ys_held):
-                errors[n_idx][h_idx].append(kv_errors(geo, split, kv_only, res.tensors, y, res.rope.head_scale))
+                errors[n_idx][h_idx].append(
+                    kv_errors(geo, split, kv_only, res.tensors, y, res.rope.head_scale, res.rope.residual))
         layer = runner.build(i, t)
         h_fit = runner.run(layer, h_fit, recipe.batch_size)
         h_held = [runner.run(layer, h, recipe.batch_size) for h in h_held]
@@ -154,8 +160,8 @@ def run_recon(recipe: ReconRecipe, *, force: bool = False, progress: bool = True
             series.append({"name": f"{part} {_label(cal)} -> {label}", "kind": part.lower(), "heldout": label, "error": ys})
     result = {
         "model": recipe.model,
-        "kv_lora_rank": rank,
-        "qk_rope_head_dim": d_r,
+        "kv_lora_rank": geo.kv_lora_rank,
+        "qk_rope_head_dim": geo.qk_rope_head_dim,
         "calibration": _label(cal),
         "token_counts": counts,
         "series": series,

@@ -22,7 +22,7 @@ def kv_errors(geo: MLAGeometry, split: RopeSplit, src: SourceAttention, tensors:
     the scores see it at relative position 0, where the residual's missing rotation does not matter.
     """
     y = y.double()
-    n, nope, qk_nope, d_h, r = geo.n_heads, geo.nope_dim, geo.qk_nope_dim, geo.head_dim, geo.kv_width
+    n, nope, qk_nope, d_h, r = geo.n_heads, geo.nope_dim, geo.qk_nope_head_dim, geo.head_dim, geo.kv_lora_rank
     kv_a = tensors["kv_a_proj_with_mqa.weight"].double()
     lat = latent.rms_normalize(y @ kv_a[:r].T)
     kv_hat = (lat @ tensors["kv_b_proj.weight"].double().T).view(-1, n, qk_nope + d_h)
@@ -33,7 +33,7 @@ def kv_errors(geo: MLAGeometry, split: RopeSplit, src: SourceAttention, tensors:
         kr_hat = kr_hat + kv_hat[..., nope:qk_nope]
     kv_true = (y @ kv_rows(geo, split, src, repeat=True, residual=residual).T).view(-1, n, qk_nope + d_h)
     kv_of = torch.arange(n) // geo.n_rep
-    kr_true = (y @ src.k_w.view(geo.n_kv, d_h, -1)[:, split.rope_rows].reshape(-1, y.shape[1]).T).view(-1, geo.n_kv, geo.rope_dim)[:, kv_of]
+    kr_true = (y @ src.k_w.view(geo.n_kv, d_h, -1)[:, split.rope_rows].reshape(-1, y.shape[1]).T).view(-1, geo.n_kv, geo.qk_rope_head_dim)[:, kv_of]
     k_true = torch.cat([kv_true[..., :nope], kr_true], -1)
     k_hat = torch.cat([kv_hat[..., :nope], kr_hat], -1)
     return latent.relative_error(k_true, k_hat), latent.relative_error(kv_true[..., qk_nope:], kv_hat[..., qk_nope:])

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from ecomla.errors import UserError
 from ecomla.io.checkpoint import CheckpointError, CheckpointReader, resolve_model_dir
 from ecomla.mla.budget import AttentionShape
 
@@ -40,7 +41,7 @@ _WHY_NOT = {
 }
 
 
-class SourceError(ValueError):
+class SourceError(UserError, ValueError):
     """The source checkpoint cannot be converted; `problems` lists every reason."""
 
     def __init__(self, source: str, problems: list[str]):

@@ -1,4 +1,4 @@
-"""Human-readable summary of a `conversion_report.json`, printed at the end of `ecomla convert`."""
+"""Human-readable summary of a `conversion_report.json`, printed at the end of `ecomla convert` (every target)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,10 @@ def _fmt(x: float | None, spec: str = ".4f") -> str:
 
 
 def summary_lines(report: dict) -> list[str]:
+    return mla_lines(report) if report["target"] == "mla" else target_lines(report)
+
+
+def mla_lines(report: dict) -> list[str]:
     kv = report["kv_elements_per_token_per_layer"]
     after = kv["after"]
     lines = [
@@ -60,6 +64,37 @@ def summary_lines(report: dict) -> list[str]:
             f"{held['converted_perplexity']:.3f} (converted); KL {held['kl_source_to_converted']:.4f}; "
             f"top-1 agreement {held['top1_agreement']:.1%}"
         )
+    lines.append(f"  took {report['seconds']:.1f}s; report: {report['output_dir']}/conversion_report.json")
+    return lines
+
+
+def target_lines(report: dict) -> list[str]:
+    """gqa, mqa, lrkv."""
+    kv = report["kv_elements_per_token_per_layer"]
+    ratio = report["compression_ratio"]
+    if "num_key_value_heads" in report:
+        heads = report["num_key_value_heads"]
+        what = f"{heads['before']} -> {heads['after']} KV heads, mean-pooled"
+    else:
+        what = f"shared K/V + rank-{report['lrkv_rank']} residual per head"
+    lines = [
+        f"converted {report['source']} ({report['source_family']}) -> {report['output_dir']}",
+        f"  target {report['target']}: {report['output_class']}, {what}",
+        f"  KV per token and layer: {kv['before']} -> {kv['after']}   compression: {format_ratio(ratio)}",
+    ]
+    if ratio < 1:
+        even = f" (LRKV breaks even at rank {report['lrkv_break_even_rank']})" if "lrkv_rank" in report else ""
+        lines.append(f"  note: this cache is larger than the source's{even}")
+    p = report["params"]
+    lines.append(f"  params: {p['before'] / 1e6:.2f}M -> {p['after'] / 1e6:.2f}M")
+    energy = "k_residual_energy_kept" in report["layers"][0]
+    lines.append(f"  {'layer':>5} {'K err':>7} {'V err':>7}" + (f" {'K energy':>8} {'V energy':>8}" if energy else ""))
+    for e in report["layers"]:
+        row = f"  {e['layer']:>5} {e['k_weight_rel_error']:7.4f} {e['v_weight_rel_error']:7.4f}"
+        if energy:
+            row += f" {e['k_residual_energy_kept']:8.4f} {e['v_residual_energy_kept']:8.4f}"
+        lines.append(row)
+    lines.append("  (K/V err: relative Frobenius error of the key/value projection each query head reads)")
     lines.append(f"  took {report['seconds']:.1f}s; report: {report['output_dir']}/conversion_report.json")
     return lines
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ecomla.mla import latent
 from ecomla.mla.latent import Basis
 from ecomla.mla.rope import RopeSplit
 from ecomla.mla.rope_key import (
@@ -55,9 +56,9 @@ class MLAGeometry:
     n_heads: int  # n_h
     n_kv: int  # n_kv of the source
     head_dim: int  # d_h (also v_head_dim of the output)
-    rope_dim: int  # d_r (qk_rope_head_dim)
-    kv_width: int  # kv_lora_rank of the output (max over layers)
-    q_rank: int | None  # q_lora_rank (None: full q_proj)
+    qk_rope_head_dim: int  # d_r
+    kv_lora_rank: int  # the output's latent width (the largest layer's rank; smaller layers are zero-padded)
+    q_lora_rank: int | None  # None: full q_proj
     query_scale: float  # s_src / s_out, folded into the query rows
     attention_bias: bool  # output's attention_bias
     rope_key: RopeKey = "mean"  # how the shared RoPE key is built from the KV heads (ecomla.mla.rope_key)
@@ -67,16 +68,20 @@ class MLAGeometry:
     @property
     def nope_dim(self) -> int:
         """Source rows per head that lose RoPE (d_h − d_r)."""
-        return self.head_dim - self.rope_dim
+        return self.head_dim - self.qk_rope_head_dim
 
     @property
     def residual_dim(self) -> int:
-        return residual_dim(self.rope_residual, self.rope_key, self.n_kv, self.rope_dim)
+        return residual_dim(self.rope_residual, self.rope_key, self.n_kv, self.qk_rope_head_dim)
 
     @property
-    def qk_nope_dim(self) -> int:
-        """The output's qk_nope_head_dim."""
+    def qk_nope_head_dim(self) -> int:
+        """The output's no-RoPE query/key dims per head: the source rows that lose RoPE, plus the residual's."""
         return self.nope_dim + self.residual_dim
+
+    @property
+    def v_head_dim(self) -> int:
+        return self.head_dim
 
     @property
     def n_rep(self) -> int:
@@ -105,12 +110,12 @@ class SourceAttention:
         return cls(**out)
 
 
-def residual_dim(rope_residual: RopeResidual, rope_key: RopeKey, n_kv: int, rope_dim: int) -> int:
+def residual_dim(rope_residual: RopeResidual, rope_key: RopeKey, n_kv: int, qk_rope_head_dim: int) -> int:
     """Extra no-RoPE dims per head for the residual RoPE key: d_r under latent/latent_mean with a RoRoPE key.
 
     0 for one KV head (no residual) and for `mean`, which stays X-EcoMLA as published.
     """
-    return rope_dim if rope_residual != "drop" and rope_key != "mean" and n_kv > 1 else 0
+    return qk_rope_head_dim if rope_residual != "drop" and rope_key != "mean" and n_kv > 1 else 0
 
 
 def _head_rows(n: int, head_dim: int, rows: torch.Tensor) -> torch.Tensor:
@@ -135,15 +140,15 @@ def query_rows(
     """
     res_rows = split.rope_rows if geo.residual_dim else split.rope_rows[:0]
     idx = _head_rows(geo.n_heads, geo.head_dim, torch.cat([split.nope_rows, res_rows, split.rope_rows]))
-    factor = torch.full((geo.n_heads, geo.qk_nope_dim + geo.rope_dim), geo.query_scale, dtype=torch.float64)
+    factor = torch.full((geo.n_heads, geo.qk_nope_head_dim + geo.qk_rope_head_dim), geo.query_scale, dtype=torch.float64)
     if rope_scale is not None:
-        factor[:, geo.qk_nope_dim :] *= rope_scale.repeat_interleave(geo.n_rep, dim=0)
+        factor[:, geo.qk_nope_head_dim :] *= rope_scale.repeat_interleave(geo.n_rep, dim=0)
     factor = factor.reshape(-1)
     w = src.q_w[idx] * factor[:, None]
     b = None if src.q_b is None else src.q_b.double()[idx] * factor
     if geo.residual_dim and residual_rotation is not None:
-        per_head = geo.qk_nope_dim + geo.rope_dim
-        res = slice(geo.nope_dim, geo.qk_nope_dim)
+        per_head = geo.qk_nope_head_dim + geo.qk_rope_head_dim
+        res = slice(geo.nope_dim, geo.qk_nope_head_dim)
         pairs, fold = output_pairs(geo), residual_rotation.double()
         w = w.view(geo.n_heads, per_head, -1).clone()  # (n_h, qk_nope + d_r, d)
         w[:, res] = fold_rotation(w[:, res], pairs, fold)
@@ -175,12 +180,12 @@ def kv_rows(
         if residual is None:
             raise ValueError("rope_residual latent/latent_mean needs the residual RoPE rows (SharedRopeKey.residual)")
         parts.append(residual.to(k_nope.dtype)[kv_of])  # (n, d_r, d)
-    return torch.cat(parts + [v], dim=1).reshape(n * (geo.qk_nope_dim + d_h), -1)
+    return torch.cat(parts + [v], dim=1).reshape(n * (geo.qk_nope_head_dim + d_h), -1)
 
 
 def output_pairs(geo: MLAGeometry) -> list[tuple[int, int]]:
     """Row pairs (a, b) inside the d_r RoPE rows that rotate together, in the output layout."""
-    half = geo.rope_dim // 2
+    half = geo.qk_rope_head_dim // 2
     return [(2 * i, 2 * i + 1) for i in range(half)] if geo.interleave else [(i, i + half) for i in range(half)]
 
 
@@ -221,8 +226,33 @@ def o_bias(geo: MLAGeometry, src: SourceAttention) -> torch.Tensor | None:
 
 
 # A fitter turns the rows a latent must reproduce into (down rows, up-projection).
-# It gets M (m, d_in) and the latent width, and returns (Basis, up (m, width)).
+# It gets M (m, d_in), the latent's rank and its padded width, and returns (Basis, up (m, width)).
 LatentFit = Callable[[torch.Tensor, int, int], tuple[Basis, torch.Tensor]]
+
+
+def make_fitter(method: str, y: torch.Tensor | None, ridge: float, gen: torch.Generator, std: float) -> LatentFit:
+    """The latent fit of one layer (`init.method`; the math is `ecomla.mla.latent`'s).
+
+    svd: the weights' top singular directions; activation: the top directions of M under the inputs'
+    second moment (y: the layer's normalized inputs, (N, d)), with a ridge-fitted up-projection; random:
+    the stock initializer, N(0, std), for both projections. A query bias rides as a constant-1 input
+    coordinate when M has d + 1 columns.
+    """
+
+    def fit(M: torch.Tensor, rank: int, width: int) -> tuple[Basis, torch.Tensor]:
+        if method == "svd":
+            basis = latent.weight_basis(M, rank)
+            return basis, pad_cols(latent.up_from_weights(M, basis.rows, width), width)
+        if method == "activation":
+            ya = y if y.shape[1] == M.shape[1] else torch.cat([y, torch.ones(y.shape[0], 1, dtype=y.dtype)], dim=1)
+            ya = ya.double()
+            basis = latent.activation_basis(M, latent.second_moment(ya), rank)
+            return basis, latent.up_from_activations(M, pad_rows(basis.rows, width), ya, ridge=ridge)
+        rows = torch.randn(rank, M.shape[1], generator=gen, dtype=torch.float64) * std
+        up = torch.randn(M.shape[0], width, generator=gen, dtype=torch.float64) * std
+        return Basis(rows=rows, spectrum=torch.zeros(0), energy_kept=float("nan")), up
+
+    return fit
 
 
 def pad_rows(rows: torch.Tensor, width: int) -> torch.Tensor:
@@ -253,31 +283,32 @@ def convert_attention(
     geo: MLAGeometry,
     split: RopeSplit,
     src: SourceAttention,
-    kv_rank: int,
+    kv_lora_rank: int,
     fit_kv: LatentFit,
     fit_q: LatentFit | None,
     rope_cov: torch.Tensor | None = None,
     residual_rotation: torch.Tensor | None = None,
 ) -> LayerResult:
-    """Build the stock DeepSeek-V3 attention tensors of one layer (residual_rotation: see `query_rows`)."""
+    """The stock DeepSeek-V3 attention tensors of one layer, its latent of rank kv_lora_rank zero-padded to
+    geo.kv_lora_rank (residual_rotation: see `query_rows`)."""
     out: dict[str, torch.Tensor] = {}
     d = geo.hidden
 
     # Keys and values through the latent (with the residual RoPE key part, under rope_residual=latent).
     rope = rope_key(geo, split, src, rope_cov)
     M_kv = kv_rows(geo, split, src, repeat=True, residual=rope.residual)
-    kv_basis, kv_up = fit_kv(M_kv, kv_rank, geo.kv_width)
-    out["kv_a_proj_with_mqa.weight"] = torch.cat([pad_rows(kv_basis.rows, geo.kv_width), rope.weight], dim=0)
+    kv_basis, kv_up = fit_kv(M_kv, kv_lora_rank, geo.kv_lora_rank)
+    out["kv_a_proj_with_mqa.weight"] = torch.cat([pad_rows(kv_basis.rows, geo.kv_lora_rank), rope.weight], dim=0)
     if geo.attention_bias:
-        rope_b = rope.bias if rope.bias is not None else torch.zeros(geo.rope_dim, dtype=torch.float64)
-        out["kv_a_proj_with_mqa.bias"] = torch.cat([torch.zeros(geo.kv_width, dtype=torch.float64), rope_b])
-    out["kv_a_layernorm.weight"] = torch.ones(geo.kv_width, dtype=torch.float64)
+        rope_b = rope.bias if rope.bias is not None else torch.zeros(geo.qk_rope_head_dim, dtype=torch.float64)
+        out["kv_a_proj_with_mqa.bias"] = torch.cat([torch.zeros(geo.kv_lora_rank, dtype=torch.float64), rope_b])
+    out["kv_a_layernorm.weight"] = torch.ones(geo.kv_lora_rank, dtype=torch.float64)
     out["kv_b_proj.weight"] = kv_up
 
     # Queries: full, or through their own normalized latent.
     q_w, q_b = query_rows(geo, split, src, rope.head_scale, residual_rotation)
     q_basis = None
-    if geo.q_rank is None:
+    if geo.q_lora_rank is None:
         if q_b is not None:
             raise ValueError("a query bias needs mla.q_lora_rank (the stock full q_proj has no bias)")
         out["q_proj.weight"] = q_w
@@ -285,13 +316,13 @@ def convert_attention(
         assert fit_q is not None
         # With a bias, the input gains a constant coordinate 1: [y; 1], ‖·‖² = d + 1.
         M_q = q_w if q_b is None else torch.cat([q_w, q_b[:, None]], dim=1)
-        q_basis, q_up = fit_q(M_q, geo.q_rank, geo.q_rank)
+        q_basis, q_up = fit_q(M_q, geo.q_lora_rank, geo.q_lora_rank)
         out["q_a_proj.weight"] = q_basis.rows[:, :d]
         if geo.attention_bias:
             out["q_a_proj.bias"] = (
-                q_basis.rows[:, d] if q_b is not None else torch.zeros(geo.q_rank, dtype=torch.float64)
+                q_basis.rows[:, d] if q_b is not None else torch.zeros(geo.q_lora_rank, dtype=torch.float64)
             )
-        out["q_a_layernorm.weight"] = torch.ones(geo.q_rank, dtype=torch.float64)
+        out["q_a_layernorm.weight"] = torch.ones(geo.q_lora_rank, dtype=torch.float64)
         out["q_b_proj.weight"] = q_up
 
     out["o_proj.weight"] = src.o_w

@@ -45,10 +45,10 @@ def normalized_input(hidden: torch.Tensor, eps: float) -> torch.Tensor:
     return (h * torch.rsqrt(h.square().mean(-1, keepdim=True) + eps)).reshape(-1, h.shape[-1])
 
 
-def layer_tensors(reader: CheckpointReader, i: int) -> dict[str, torch.Tensor]:
-    """All source tensors of layer i, float32, names relative to the layer."""
+def layer_tensors(reader: CheckpointReader, i: int, dtype: torch.dtype | None = torch.float32) -> dict[str, torch.Tensor]:
+    """All source tensors of layer i, names relative to the layer, in `dtype` (None: as stored)."""
     prefix = f"model.layers.{i}."
-    return {name[len(prefix) :]: reader.get(name) for name in sorted(reader.names()) if name.startswith(prefix)}
+    return {name[len(prefix) :]: reader.get(name, dtype) for name in sorted(reader.names()) if name.startswith(prefix)}
 
 
 def embed(reader: CheckpointReader, ids: torch.Tensor) -> torch.Tensor:

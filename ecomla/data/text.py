@@ -18,10 +18,12 @@ from pathlib import Path
 
 import torch
 
+from ecomla.errors import UserError
+
 _BUILDERS = {".jsonl": "json", ".json": "json", ".txt": "text", ".parquet": "parquet"}
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """A dataset is missing, empty, or too small for what was asked."""
 
 

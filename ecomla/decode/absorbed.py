@@ -27,9 +27,6 @@ only adds its own forward over the stock modules' weights.
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
-
 import torch
 from transformers import DeepseekV3ForCausalLM
 from transformers.cache_utils import Cache, DynamicCache
@@ -38,6 +35,8 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
     apply_rotary_pos_emb,
     apply_rotary_pos_emb_interleave,
 )
+
+from ecomla.compat import cache_argument, cache_field
 
 
 def padding_mask(attention_mask: torch.Tensor | None, batch: int, q_len: int, kv_len: int, dtype, device) -> torch.Tensor:
@@ -85,14 +84,7 @@ def absorbed_attention(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     return attn.o_proj(out)
 
 
-# transformers 5.24 renamed the cache argument and output field from `past_key_values` to `cache`
-# (the old argument name is deprecated until 5.40); speak whichever the installed version uses.
-_OUT_CACHE = "cache" if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} else "past_key_values"
-
-
-def output_cache(out) -> Cache | None:
-    """The cache a model output carries, under either field name."""
-    return getattr(out, _OUT_CACHE)
+_OUT_CACHE = cache_field(CausalLMOutputWithPast)  # past_key_values or cache, as this transformers names it
 
 
 class AbsorbedDeepseekV3ForCausalLM(DeepseekV3ForCausalLM):
@@ -129,9 +121,8 @@ class AbsorbedDeepseekV3ForCausalLM(DeepseekV3ForCausalLM):
                 h = h + layer.mlp(layer.post_attention_layernorm(h))
         else:
             # Prefill: the stock expanded path, through the stock model.
-            cache_arg = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
             h = base(inputs_embeds=h, attention_mask=attention_mask, position_ids=position_ids,
-                     use_cache=use_cache, **{cache_arg: past_key_values}).last_hidden_state
+                     use_cache=use_cache, **{cache_argument(base.forward): past_key_values}).last_hidden_state
             logits = self.lm_head(h[:, -logits_to_keep:] if isinstance(logits_to_keep, int) and logits_to_keep else h)
             return CausalLMOutputWithPast(logits=logits, **{_OUT_CACHE: past_key_values})
         h = base.norm(h)

@@ -3,14 +3,17 @@
     deepspeed --num_gpus 8 --module ecomla.distill recipes/distill/<name>.yaml
     torchrun --nproc_per_node 2 -m ecomla.distill recipes/distill/<name>.yaml
 
-The same as `ecomla distill`, for launchers that start one process per GPU.
+The same job as `ecomla distill`, for launchers that start one process per GPU.
 """
 
-import sys
+from ecomla.distill.runtime import launch
 
-from ecomla.cli import main
-from ecomla.distill.runtime import shutdown
 
-code = main(["distill", *[a for a in sys.argv[1:] if not a.startswith("--local_rank")]])
-shutdown()
-sys.exit(code)
+def distill(args) -> None:
+    from ecomla.distill.recipe import load_distill_recipe
+    from ecomla.distill.trainer import run
+
+    run(load_distill_recipe(args.recipe, args.overrides), force=args.force, progress=not args.quiet)
+
+
+launch("ecomla.distill", "ecomla.distill.recipe:DistillRecipe", __doc__, distill)

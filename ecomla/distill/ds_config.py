@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from ecomla.distill.recipe import DistillRecipe
+from ecomla.errors import UserError
 
 
-class DeepSpeedConfigError(ValueError):
+class DeepSpeedConfigError(UserError, ValueError):
     pass
 
 

@@ -9,8 +9,6 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-import torch
-
 from ecomla.data.text import DataError
 from ecomla.distill import models
 from ecomla.distill.data import model_inputs, open_dataset, prepare_data

@@ -46,6 +46,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
+from ecomla.recipe.schema import knob
+
 
 class KDLoss(str, enum.Enum):
     """The divergence D(teacher, student) of the KD term."""
@@ -57,31 +59,49 @@ class KDLoss(str, enum.Enum):
     NONE = "none"  # no KD term: pure CE (`ecomla pretrain`)
 
 
-@dataclass(frozen=True)
-class LossSpec:
-    """Per-token loss: total = kd_weight·T²·D(p, q) + ce_weight·CE."""
+class LossConfigError(ValueError):
+    """An invalid LossConfig; `problems` holds 'field: message' strings (the recipe loader reports each)."""
 
-    kind: KDLoss = KDLoss.FORWARD_KL  # which divergence; a plain string is converted
-    temperature: float = 1.0  # both distributions at z/T; the KD term is multiplied by T²
-    kd_weight: float = 1.0  # weight of the KD term (ignored when kind is NONE)
-    ce_weight: float = 0.0  # weight of next-token CE on the hard targets, at temperature 1
-    mix: float = 0.5  # β for JSD, α for skew KL; in [0, 1]
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("invalid loss: " + "; ".join(problems))
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """Per-token loss: total = kd_weight·T²·D(p, q) + ce_weight·CE. The `loss` section of a distill recipe.
+
+    Constructing an invalid one raises LossConfigError with every problem.
+    """
+
+    kind: KDLoss = knob(KDLoss.FORWARD_KL, help="forward_kl (X-EcoMLA), reverse_kl, jsd, skew_kl, or none (CE only)")
+    temperature: float = knob(1.0, help="Softmax temperature of both models in the KD term (which is scaled by T²)")
+    kd_weight: float = knob(1.0, help="Weight of the KD term")
+    ce_weight: float = knob(0.0, help="Weight of next-token CE on the data, at temperature 1 (X-EcoMLA: 0)")
+    mix: float = knob(0.5, help="β of jsd, α of skew_kl; in [0, 1]")
+    chunk_tokens: int = knob(1024, help="Logits are computed this many target tokens at a time (memory ∝ chunk × vocab)")
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "kind", KDLoss(self.kind))
+        object.__setattr__(self, "kind", KDLoss(self.kind))  # a plain string is converted
+        problems = self.check()
+        if problems:
+            raise LossConfigError(problems)
+
+    def check(self) -> list[str]:
         problems = []
         if not self.temperature > 0:
-            problems.append(f"temperature must be > 0, got {self.temperature}")
+            problems.append(f"temperature: must be > 0, got {self.temperature}")
         for name in ("kd_weight", "ce_weight"):
             if not getattr(self, name) >= 0:
-                problems.append(f"{name} must be >= 0, got {getattr(self, name)}")
+                problems.append(f"{name}: must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.mix <= 1:
-            problems.append(f"mix must be in [0, 1], got {self.mix}")
+            problems.append(f"mix: must be in [0, 1], got {self.mix}")
+        if self.chunk_tokens < 1:
+            problems.append(f"chunk_tokens: must be >= 1, got {self.chunk_tokens}")
         if not (self.uses_teacher or self.ce_weight > 0):
-            problems.append(f"nothing to train: kind={self.kind.value}, kd_weight={self.kd_weight}, "
-                            f"ce_weight={self.ce_weight}")
-        if problems:
-            raise ValueError("invalid loss spec: " + "; ".join(problems))
+            problems.append(f"ce_weight: nothing to train with kind={self.kind.value}, kd_weight={self.kd_weight} "
+                            f"and ce_weight={self.ce_weight}; set ce_weight > 0 (CE only) or a KD term")
+        return problems
 
     @property
     def uses_teacher(self) -> bool:
@@ -159,7 +179,7 @@ def _divergence(kind: KDLoss, log_p: Tensor, log_q: Tensor, mix: float) -> Tenso
     raise ValueError(f"no divergence for kind={kind.value}")
 
 
-def kd_per_token(student_logits: Tensor, teacher: TeacherDist, spec: LossSpec) -> Tensor:
+def kd_per_token(student_logits: Tensor, teacher: TeacherDist, spec: LossConfig) -> Tensor:
     """KD divergence per token, already multiplied by T²: (N, V) logits -> (N,) float32.
 
     Zeros when spec.kind is NONE. A sparse teacher is compared on k+1 buckets
@@ -198,7 +218,7 @@ def ce_per_token(student_logits: Tensor, targets: Tensor) -> Tensor:
 
 
 def token_loss(
-    student_logits: Tensor, teacher: TeacherDist | None, targets: Tensor, spec: LossSpec
+    student_logits: Tensor, teacher: TeacherDist | None, targets: Tensor, spec: LossConfig
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Per-token (total, kd, ce), each (N,) float32, with total = kd_weight·kd + ce_weight·ce.
 
@@ -214,7 +234,7 @@ def token_loss(
     else:
         with torch.set_grad_enabled(torch.is_grad_enabled() and spec.uses_teacher):
             kd = kd_per_token(student_logits, teacher, spec)
-    # Only weighted-in terms enter total (LossSpec guarantees at least one), so a
+    # Only weighted-in terms enter total (LossConfig guarantees at least one), so a
     # zero-weight term costs no backward.
     terms = [spec.kd_weight * kd] if spec.uses_teacher else []
     terms += [spec.ce_weight * ce] if spec.ce_weight > 0 else []
@@ -237,7 +257,7 @@ def chunked_loss(
     head: Callable[[Tensor], Tensor],
     teacher: Callable[[int, int], TeacherDist] | None,
     targets: Tensor,
-    spec: LossSpec,
+    spec: LossConfig,
     chunk_size: int,
     checkpoint: bool = True,
     num_chunks: int | None = None,

@@ -15,10 +15,11 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from ecomla.errors import UserError
 from ecomla.io.checkpoint import TOKENIZER_FILES, resolve_model_dir
 
 
-class ModelSetupError(ValueError):
+class ModelSetupError(UserError, ValueError):
     """Student, teacher or tokenizer do not fit together."""
 
 

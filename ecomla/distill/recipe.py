@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ecomla.distill.losses import KDLoss
+from ecomla.distill.losses import KDLoss, LossConfig
 from ecomla.recipe.schema import knob
 
 
@@ -68,28 +68,6 @@ class TeacherConfig:
     cache_dir: str | None = knob(None, help="Where `ecomla teacher-cache` writes and `source: cache` reads")
     cache_topk: int = knob(64, help="Log-probs kept per token in the cache; the rest is one tail bucket")
     dtype: Literal["auto", "float32", "bfloat16"] = knob("auto", help="auto: bf16 when the run is bf16, else fp32")
-
-
-@dataclass
-class LossConfig:
-    kind: KDLoss = knob(KDLoss.FORWARD_KL, help="forward_kl (X-EcoMLA), reverse_kl, jsd, skew_kl, or none (CE only)")
-    temperature: float = knob(1.0, help="Softmax temperature of both models in the KD term (which is scaled by T²)")
-    kd_weight: float = knob(1.0, help="Weight of the KD term")
-    ce_weight: float = knob(0.0, help="Weight of next-token CE on the data (X-EcoMLA: 0)")
-    mix: float = knob(0.5, help="β of jsd, α of skew_kl")
-    chunk_tokens: int = knob(1024, help="Logits are computed this many target tokens at a time (memory ∝ chunk × vocab)")
-
-    def check(self) -> list[str]:
-        problems = []
-        if self.temperature <= 0:
-            problems.append("temperature: must be > 0")
-        if self.chunk_tokens < 1:
-            problems.append("chunk_tokens: must be >= 1")
-        if not 0 <= self.mix <= 1:
-            problems.append("mix: must be in [0, 1]")
-        if self.kind == KDLoss.NONE and self.ce_weight <= 0:
-            problems.append("ce_weight: with kind=none (CE only) set ce_weight > 0")
-        return problems
 
 
 @dataclass
@@ -209,3 +187,10 @@ class DistillRecipe:
         if self.train.mode == "lora" and self.student is None:
             problems.append("train.mode: lora needs a pretrained student checkpoint")
         return problems
+
+
+def load_distill_recipe(path: str, overrides: list[str] | None = None, *, pretrain: bool = False) -> DistillRecipe:
+    """A distill recipe from YAML plus `--set` overrides; `pretrain` puts PRETRAIN_DEFAULTS under them."""
+    from ecomla.recipe.schema import load_recipe
+
+    return load_recipe(DistillRecipe, path, overrides=(PRETRAIN_DEFAULTS if pretrain else []) + list(overrides or []))

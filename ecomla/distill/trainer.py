@@ -42,15 +42,16 @@ from ecomla.data.sampler import StepSampler
 from ecomla.distill import models
 from ecomla.distill.data import model_inputs, open_dataset
 from ecomla.distill.ds_config import build_ds_config, teacher_ds_config
-from ecomla.distill.losses import KDLoss, LossSpec, chunked_loss
+from ecomla.distill.losses import KDLoss, LossConfig, chunked_loss
 from ecomla.distill.monitor import RunLog
 from ecomla.distill.recipe import DistillRecipe
 from ecomla.distill.runtime import Dist, all_reduce_max, all_reduce_sum, barrier, init_distributed
 from ecomla.distill.teacher import CachedTeacher, LiveTeacher, teacher_dtype
+from ecomla.errors import UserError
 from ecomla.recipe.schema import recipe_to_dict, save_recipe
 
 
-class TrainingError(RuntimeError):
+class TrainingError(UserError, RuntimeError):
     """The run cannot go on (bad input found at set-up, or a non-finite loss)."""
 
 
@@ -103,7 +104,7 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def batch_loss(student, teacher, batch: dict, indices: list[int], spec: LossSpec, *, cross_document: bool,
+def batch_loss(student, teacher, batch: dict, indices: list[int], spec: LossConfig, *, cross_document: bool,
                dtype: torch.dtype, device: torch.device, chunk_tokens: int, sync_chunks: torch.device | None = None):
     """Loss sums of one packed micro-batch (B, T): only target positions (same document, not padding, not
     prompt) reach the loss, and logits are computed `chunk_tokens` rows at a time.
@@ -168,8 +169,7 @@ class DistillRun:
             raise TrainingError(f"train.total_tokens: {r.train.total_tokens} is less than one global batch")
         self.sampler = StepSampler(len(self.train_data), r.train.micro_batch_size, self.grad_accum,
                                    dist.world_size, dist.rank, r.train.seed)
-        self.spec = LossSpec(kind=r.loss.kind, temperature=r.loss.temperature, kd_weight=r.loss.kd_weight,
-                             ce_weight=r.loss.ce_weight, mix=r.loss.mix)
+        self.spec = r.loss
         self.dtype = torch.bfloat16 if r.train.precision == "bf16" else torch.float32
         self.ds_config = build_ds_config(r, dist.world_size, self.grad_accum)
         self._build_models()
@@ -242,7 +242,7 @@ class DistillRun:
             group["lr"] = lr if first <= stage else 0.0
         return lr
 
-    def _loss_sums(self, batch: dict, indices: list[int], teacher=None, spec: LossSpec | None = None):
+    def _loss_sums(self, batch: dict, indices: list[int], teacher=None, spec: LossConfig | None = None):
         """Loss sums of one micro-batch; `teacher`/`spec` default to the run's."""
         r = self.recipe
         spec = spec or self.spec
@@ -322,7 +322,7 @@ class DistillRun:
         """
         r, dist = self.recipe, self.dist
         live = isinstance(self.teacher, LiveTeacher)
-        spec = self.spec if live else LossSpec(kind=KDLoss.NONE, kd_weight=0.0, ce_weight=1.0)
+        spec = self.spec if live else LossConfig(kind=KDLoss.NONE, kd_weight=0.0, ce_weight=1.0)
         self.engine.eval()
         sums = [0.0, 0.0, 0.0]
         mb, n = r.train.micro_batch_size, len(self.eval_data)

@@ -17,8 +17,10 @@ from pathlib import Path
 
 import yaml
 
+from ecomla.errors import UserError
 
-class ReportError(Exception):
+
+class ReportError(UserError):
     """No results to report, or results that do not fit together."""
 
 

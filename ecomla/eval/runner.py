@@ -21,7 +21,9 @@ import os
 import time
 from pathlib import Path
 
-from ecomla.eval.kv import compression_vs, kv_elements_per_token, measured_kv_bytes_per_token
+from ecomla.errors import UserError
+from ecomla.eval.kv import measured_kv_bytes_per_token
+from ecomla.mla.budget import compression_vs, kv_elements_per_token
 from ecomla.eval.recipe import EvalModel, EvalRecipe, Suite, load_suite
 from ecomla.io.fingerprint import digest, path_fingerprint, recorded_key
 from ecomla.recipe.schema import recipe_to_dict, save_recipe
@@ -29,7 +31,7 @@ from ecomla.recipe.schema import recipe_to_dict, save_recipe
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 
 
-class EvalError(Exception):
+class EvalError(UserError):
     """A model or task that cannot be evaluated, found before any model runs."""
 
 

@@ -40,6 +40,8 @@ import tempfile
 from pathlib import Path
 from typing import Literal, get_args
 
+from ecomla.errors import UserError
+
 OutType = Literal["f32", "f16", "bf16", "q8_0"]
 OUTTYPES: tuple[str, ...] = get_args(OutType)
 LLAMA_CPP_VERSION = "0.3.36"  # the sdist whose converter is used when llama-cpp-python is not installed
@@ -47,7 +49,7 @@ CONVERTER = "convert_hf_to_gguf.py"
 VENDORED = ("convert_hf_to_gguf.py", "conversion", "gguf-py")  # what is unpacked from vendor/llama.cpp/
 
 
-class ExportError(ValueError):
+class ExportError(UserError, ValueError):
     """A checkpoint that cannot be exported, or a converter that cannot be found or run."""
 
 

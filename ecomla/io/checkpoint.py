@@ -23,6 +23,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ecomla.errors import UserError
+
 CONFIG_FILES = ("config.json",)
 # Files copied verbatim from a source checkpoint so the output tokenizes and
 # generates exactly like it.
@@ -44,7 +46,7 @@ TOKENIZER_FILES = (
 _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
     """A checkpoint on disk is missing, incomplete or corrupt."""
 
 

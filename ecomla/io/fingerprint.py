@@ -50,3 +50,28 @@ def recorded_key(record: Path) -> str | None:
         return json.loads(record.read_text()).get("key")
     except (FileNotFoundError, json.JSONDecodeError):
         return None
+
+
+class CachedStage:
+    """A result computed once into its own directory and reused while its key holds.
+
+    The key hashes everything the result is computed from (`digest` of the resolved recipe and the
+    `path_fingerprint`s of its inputs); <dir>/stage.json records it once the result is whole. `ecomla run`'s
+    stages and `ecomla variants`' runs are such stages: a rerun reuses the ones whose key is recorded, an edited
+    recipe reruns the ones whose key changed, and an interrupted one starts again (or resumes, when the job
+    checkpoints inside its directory). Subclasses are dataclasses with `key` and `dir` fields.
+    """
+
+    key: str
+    dir: Path
+
+    @property
+    def done_file(self) -> Path:
+        return self.dir / "stage.json"
+
+    def done(self) -> bool:
+        return recorded_key(self.done_file) == self.key
+
+    def mark_done(self, **record: Any) -> None:
+        """Record the key (and what else the caller keeps about the stage): the result is whole."""
+        self.done_file.write_text(json.dumps({"key": self.key, **record}, indent=2) + "\n")

@@ -30,8 +30,6 @@ Attention runs one code path with or without a cache:
   4. ordinary multi-head attention: eager below, or sdpa through transformers' attention interface.
 """
 
-import dataclasses
-
 import torch
 from torch import nn
 from transformers import initialization as init
@@ -48,13 +46,9 @@ from transformers.models.llama.modeling_llama import (
     rotate_half,
 )
 
+from ecomla.compat import cache_argument, cache_field, output_cache
 from ecomla.lrkv.cache import LrkvCache
 from ecomla.lrkv.configuration import LrkvConfig
-
-
-def _cache_field(output_class) -> str:
-    """transformers 5.24 renamed the outputs' `past_key_values` field to `cache`; the name this version uses."""
-    return "cache" if "cache" in {f.name for f in dataclasses.fields(output_class)} else "past_key_values"
 
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each (B, positions, d_h)
@@ -214,7 +208,7 @@ class LrkvModel(LrkvPreTrainedModel):
             position_ids = torch.arange(past, past + T, device=h.device)[None]
         position_ids = position_ids.expand(B, T)
         mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=attention_mask,
-                                  past_key_values=past_key_values, position_ids=position_ids)
+                                  position_ids=position_ids, **{cache_argument(create_causal_mask): past_key_values})
         # RoPE of every key (cached + new, (B, S)); the new tokens are the last T keys, and the queries.
         key_positions = position_ids if past_key_values is None else past_key_values.append_positions(position_ids)
         key_rope = self.rotary_emb(h, key_positions)  # cos, sin: (B, S, d_h)
@@ -229,7 +223,7 @@ class LrkvModel(LrkvPreTrainedModel):
         if output_hidden_states:
             hidden_states = hidden_states[:-1] + (h,)  # as Llama: the last entry is after the final norm
         return BaseModelOutputWithPast(last_hidden_state=h, hidden_states=hidden_states,
-                                       **{_cache_field(BaseModelOutputWithPast): past_key_values})
+                                       **{cache_field(BaseModelOutputWithPast): past_key_values})
 
 
 class LrkvForCausalLM(LrkvPreTrainedModel, GenerationMixin):
@@ -278,8 +272,7 @@ class LrkvForCausalLM(LrkvPreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size)
-        cache = getattr(out, _cache_field(BaseModelOutputWithPast))
         result = CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=out.hidden_states,
-                                        **{_cache_field(CausalLMOutputWithPast): cache})
+                                        **{cache_field(CausalLMOutputWithPast): output_cache(out)})
         return_dict = self.config.return_dict if return_dict is None else return_dict
         return result if return_dict else result.to_tuple()

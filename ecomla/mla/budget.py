@@ -58,6 +58,27 @@ def mla_elements(kv_lora_rank: int, rope_dim: int) -> int:
     return kv_lora_rank + rope_dim
 
 
+MLA_TYPES = ("deepseek_v3",)
+
+
+def kv_elements_per_token(cfg: Mapping) -> int:
+    """Numbers cached per token, summed over layers, for a config dict: Llama-family (2·n_kv·d_h per layer),
+    stock DeepSeek-V3 (kv_lora_rank + qk_rope_head_dim) or LRKV (2·(d_h + n_h·r), `ecomla.lrkv.configuration`)."""
+    if cfg.get("model_type") in MLA_TYPES:
+        return int(cfg["num_hidden_layers"]) * mla_elements(int(cfg["kv_lora_rank"]), int(cfg["qk_rope_head_dim"]))
+    if cfg.get("model_type") == "lrkv":
+        from ecomla.lrkv.configuration import LrkvConfig, lrkv_kv_elements
+
+        return lrkv_kv_elements(LrkvConfig.from_dict({k: v for k, v in cfg.items() if k != "model_type"}))
+    shape = AttentionShape.from_config(cfg)
+    return shape.num_layers * shape.kv_elements
+
+
+def compression_vs(cfg: Mapping, reference: Mapping) -> float:
+    """KV compression ratio of `cfg` against `reference` (the base model): elements per token, reference / cfg."""
+    return kv_elements_per_token(reference) / kv_elements_per_token(cfg)
+
+
 def compression_ratio(shape: AttentionShape, ranks: int | Sequence[int], rope_dim: int) -> float:
     """Σ_l 2·n_kv·d_h / Σ_l (r_l + d_r); `ranks` is one width for all layers or one per layer."""
     per_layer = [ranks] * shape.num_layers if isinstance(ranks, int) else list(ranks)

@@ -27,6 +27,8 @@ from typing import Any, Literal, Sequence, TypeVar, Union
 
 import yaml
 
+from ecomla.errors import UserError
+
 T = TypeVar("T")
 MISSING = dataclasses.MISSING
 _INVALID = object()  # what converters return for a rejected value (None is a real value)
@@ -37,7 +39,7 @@ def knob(default=MISSING, *, help: str, default_factory=MISSING) -> dataclasses.
     return dataclasses.field(default=default, default_factory=default_factory, metadata={"help": help})
 
 
-class RecipeError(ValueError):
+class RecipeError(UserError, ValueError):
     """Everything wrong with one recipe; ``problems`` holds 'dotted.path: message' strings."""
 
     def __init__(self, problems: Sequence[str], source: str | None = None):
@@ -263,20 +265,23 @@ def _build(cls: type, data: dict, path: str, ctx: _Ctx) -> Any:
         # otherwise the dataclass's own default / default_factory applies
     if len(ctx.problems) > start:
         return _INVALID
-    try:
-        obj = cls(**kwargs)
-    except (TypeError, ValueError) as exc:  # a __post_init__ that validates on its own
-        ctx.report(path, str(exc))
-        return _INVALID
-    check = getattr(obj, "check", None)
-    if callable(check):
-        for msg in check() or ():
+    def report(messages) -> None:
+        for msg in messages:
             key, sep, rest = msg.partition(": ")
             # 'field: msg' / 'field.sub: msg' are relative to this dataclass; anything else is bare.
             if sep and re.fullmatch(r"[\w.\[\]]+", key) and re.split(r"[.\[]", key, maxsplit=1)[0] in names:
                 ctx.report(_join(path, key), rest)
             else:
                 ctx.report(path, msg)
+
+    try:
+        obj = cls(**kwargs)
+    except (TypeError, ValueError) as exc:  # a __post_init__ that validates on its own (`problems`: per field)
+        report(getattr(exc, "problems", None) or [str(exc)])
+        return _INVALID
+    check = getattr(obj, "check", None)
+    if callable(check):
+        report(check() or ())
     return obj if len(ctx.problems) == start else _INVALID
 
 

@@ -3,14 +3,11 @@
     deepspeed --num_gpus 8 --module ecomla.run recipes/xecomla_llama3.2-1b.yaml
     torchrun --nproc_per_node 8 -m ecomla.run recipes/xecomla_llama3.2-1b.yaml
 
-The same as `ecomla run`: every rank distills, rank 0 converts and evaluates.
+The same job as `ecomla run`: every rank distills, rank 0 converts and evaluates.
 """
 
-import sys
+from ecomla.distill.runtime import launch
+from ecomla.run.pipeline import run_file
 
-from ecomla.cli import main
-from ecomla.distill.runtime import shutdown
-
-code = main(["run", *[a for a in sys.argv[1:] if not a.startswith("--local_rank")]])
-shutdown()
-sys.exit(code)
+launch("ecomla.run", "ecomla.run.recipe:RunRecipe", __doc__,
+       lambda args: run_file(args.recipe, args.overrides, force=args.force, progress=not args.quiet))

@@ -30,7 +30,6 @@ The run directory must be on a file system all ranks share.
 from __future__ import annotations
 
 import copy
-import json
 import os
 import shutil
 import time
@@ -38,14 +37,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ecomla.io.fingerprint import digest, path_fingerprint, recorded_key
+from ecomla.io.fingerprint import CachedStage, digest, path_fingerprint
 from ecomla.mla.budget import format_ratio
 from ecomla.recipe.schema import RecipeError, load_recipe, recipe_to_dict, save_recipe
-from ecomla.run.recipe import RunRecipe
+from ecomla.run.recipe import RunRecipe, merged
 
 
 @dataclass
-class Stage:
+class Stage(CachedStage):
     kind: str  # convert | teacher-cache | distill
     label: str
     recipe: Any  # ConvertRecipe | DistillRecipe
@@ -54,28 +53,13 @@ class Stage:
     info: dict = field(default_factory=dict)  # ratio, init, teacher
 
     @property
-    def done_file(self) -> Path:
-        return self.dir / "stage.json"
-
-    @property
     def model_dir(self) -> Path:
         return self.dir / {"convert": "model", "teacher-cache": "cache", "distill": "run/final"}[self.kind]
 
-    def done(self) -> bool:
-        return recorded_key(self.done_file) == self.key
-
-
-def _set(d: dict, dotted: str, value: Any) -> None:
-    *heads, last = dotted.split(".")
-    for h in heads:
-        d = d.setdefault(h, {})
-    d[last] = value
-
 
 def _sub_recipe(cls: type, section: str, body: dict, fills: dict[str, Any]):
-    data = copy.deepcopy(body)
-    for k, v in fills.items():
-        _set(data, k, v)
+    """The stage's recipe: the run recipe's section with the stage's own keys (`FILLED`) merged in."""
+    data = merged(copy.deepcopy(body), fills)
     try:
         return load_recipe(cls, data=data)
     except RecipeError as err:
@@ -121,7 +105,8 @@ def plan(recipe: RunRecipe) -> list[Stage]:
     for ratio in recipe.ratios:
         for init in recipe.inits:
             label = f"convert-{format_ratio(ratio)}-{init}"
-            fills = {"model": recipe.base, "output_dir": "", "mla.target_compression": ratio, "init.method": init}
+            fills = {"model": recipe.base, "output_dir": "", "mla": {"target_compression": ratio},
+                     "init": {"method": init}}
             section = "convert" if ratio not in recipe.convert_by_ratio else f"convert (at {ratio}x)"
             sub = _sub_recipe(ConvertRecipe, section, recipe.convert_for(ratio), fills)
             key = digest("convert", recipe_to_dict(sub), base_fp)
@@ -136,7 +121,7 @@ def plan(recipe: RunRecipe) -> list[Stage]:
     if _teacher_source(recipe.distill) == "cache":
         for teacher in recipe.used_teachers:
             label = f"teacher-cache-{teacher}"
-            fills = {"student": recipe.base, "teacher.model": recipe.teachers[teacher], "teacher.cache_dir": "x",
+            fills = {"student": recipe.base, "teacher": {"model": recipe.teachers[teacher], "cache_dir": "x"},
                      "output_dir": ""}
             sub = _sub_recipe(DistillRecipe, "distill", recipe.distill, fills)
             data_fp = data_fp or _data_fingerprints(sub)
@@ -150,10 +135,11 @@ def plan(recipe: RunRecipe) -> list[Stage]:
             for teacher in recipe.teachers_for(init):
                 src = converted[ratio, init]
                 label = f"distill-{format_ratio(ratio)}-{init}-{teacher}"
-                fills = {"student": str(src.model_dir), "teacher.model": recipe.teachers[teacher], "output_dir": ""}
                 cache = caches.get(teacher)
+                teacher_keys = {"model": recipe.teachers[teacher]}
                 if cache is not None:
-                    fills["teacher.cache_dir"] = str(cache.model_dir)
+                    teacher_keys["cache_dir"] = str(cache.model_dir)
+                fills = {"student": str(src.model_dir), "teacher": teacher_keys, "output_dir": ""}
                 sub = _sub_recipe(DistillRecipe, "distill", recipe.distill, fills)
                 as_dict = recipe_to_dict(sub)
                 as_dict.pop("student")
@@ -171,11 +157,10 @@ def plan(recipe: RunRecipe) -> list[Stage]:
 def _run_stage(stage: Stage, progress: bool) -> None:
     stage.dir.mkdir(parents=True, exist_ok=True)
     if stage.kind == "convert":
-        from ecomla.convert.converter import Converter
-        from ecomla.convert.plan import make_plan
+        from ecomla.convert.stream import convert_recipe
 
-        # The converter writes atomically: a half-done conversion leaves nothing, so start over.
-        Converter(make_plan(stage.recipe, force=True), force=True, progress=progress).run()
+        # The conversion writes atomically: a half-done one leaves nothing, so start over.
+        convert_recipe(stage.recipe, force=True, progress=progress)
     elif stage.kind == "teacher-cache":
         from ecomla.distill.jobs import teacher_cache
 
@@ -253,8 +238,7 @@ def run(recipe: RunRecipe, *, force: bool = False, progress: bool = True) -> Pat
             _run_stage(stage, progress and is_main)
         seconds = round(time.time() - t0, 1)
         if is_main:
-            stage.done_file.write_text(json.dumps({"key": stage.key, "label": stage.label, "seconds": seconds,
-                                                   **stage.info}, indent=2) + "\n")
+            stage.mark_done(label=stage.label, seconds=seconds, **stage.info)
         barrier()
         say(f"{what}: done in {seconds:.0f} s")
     if not is_main:
@@ -263,4 +247,14 @@ def run(recipe: RunRecipe, *, force: bool = False, progress: bool = True) -> Pat
     t0 = time.time()
     run_eval(evaluation, progress=progress)
     say(f"[{total}/{total}] eval done in {time.time() - t0:.0f} s; whole run {time.time() - t_run:.0f} s")
+    return eval_dir
+
+
+def run_file(path: str, overrides: list[str] | None = None, *, force: bool = False, progress: bool = True) -> Path:
+    """`ecomla run RECIPE.yaml`: load the recipe, run every stage, print the report; returns the eval directory."""
+    recipe = load_recipe(RunRecipe, path, overrides=list(overrides or []))
+    eval_dir = run(recipe, force=force, progress=progress)
+    if os.environ.get("RANK", "0") == "0":  # the other ranks stop after the last distillation
+        print((eval_dir / "report.md").read_text(), end="")
+        print(f"report.md, report.json and chart.png in {eval_dir}")
     return eval_dir

@@ -5,7 +5,7 @@ mla is a stock DeepSeek-V3 config with dense MLPs (as `ecomla convert` writes),
 kv_lora_rank r_kv and a shared RoPE key of d_r with qk_nope = head_dim − d_r;
 lrkv is ecomla's registered LRKV model. KV numbers cached per token and layer:
   mha 2·n_h·d_h   gqa 2·g·d_h   mqa 2·d_h   mla r_kv + d_r   lrkv 2·(d_h + n_h·r)
-(`ecomla.eval.kv.kv_elements_per_token` computes them from these dicts).
+(`ecomla.mla.budget.kv_elements_per_token` computes them from these dicts).
 """
 
 from __future__ import annotations

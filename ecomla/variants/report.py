@@ -16,13 +16,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ecomla.eval.kv import kv_elements_per_token
+from ecomla.errors import UserError
+from ecomla.mla.budget import kv_elements_per_token
 
 COLORS = {"mha": "tab:blue", "gqa": "tab:orange", "mqa": "tab:green", "mla": "tab:purple", "lrkv": "tab:red"}
 MARKERS = {"mha": "D", "gqa": "^", "mqa": "v", "mla": "s", "lrkv": "o"}
 
 
-class VariantsReportError(Exception):
+class VariantsReportError(UserError):
     """Nothing to report, or a run without results."""
 
 

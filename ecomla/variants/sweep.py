@@ -18,18 +18,19 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ecomla.io.fingerprint import digest, path_fingerprint, recorded_key
+from ecomla.errors import UserError
+from ecomla.io.fingerprint import CachedStage, digest, path_fingerprint
 from ecomla.recipe.schema import RecipeError, load_recipe, recipe_to_dict, save_recipe
 from ecomla.variants.configs import count_params, match_mlp, variant_config
 from ecomla.variants.recipe import SweepRecipe
 
 
-class SweepError(Exception):
+class SweepError(UserError):
     """A run of the sweep failed (its log's end is in the message)."""
 
 
 @dataclass
-class Run:
+class Run(CachedStage):
     size: str
     variant: str
     kind: str
@@ -38,13 +39,6 @@ class Run:
     recipe: object  # DistillRecipe
     key: str
     dir: Path
-
-    @property
-    def done_file(self) -> Path:
-        return self.dir / "stage.json"
-
-    def done(self) -> bool:
-        return recorded_key(self.done_file) == self.key
 
 
 def tokenizer_dir(recipe: SweepRecipe) -> Path:
@@ -150,9 +144,8 @@ def run_sweep(recipe: SweepRecipe, *, progress: bool = True) -> Path:
                 failed.append(f"{r.size}/{r.variant} failed (exit {proc.returncode}); end of {r.dir}/log.txt:\n{tail}")
                 continue
             seconds = round(time.time() - t0, 1)
-            r.done_file.write_text(json.dumps({"key": r.key, "size": r.size, "variant": r.variant, "kind": r.kind,
-                                               "params": r.params, "config": r.config, "seconds": seconds},
-                                              indent=2) + "\n")
+            r.mark_done(size=r.size, variant=r.variant, kind=r.kind, params=r.params, config=r.config,
+                        seconds=seconds)
             print(f"{r.size}/{r.variant}: done in {seconds:.0f} s", flush=True)
         if failed:
             todo.clear()

@@ -7,9 +7,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from ecomla.convert.converter import Converter
-from ecomla.convert.plan import make_plan
 from ecomla.convert.recipe import ConvertRecipe
+from ecomla.convert.stream import convert_recipe
 from ecomla.recipe.schema import load_recipe
 
 
@@ -18,7 +17,18 @@ def convert(source: Path, out: Path, force: bool = True, **sections) -> dict:
     data = {"model": str(source), "output_dir": str(out), "dtype": "float32", "device": "cpu"}
     data.update(sections)
     recipe = load_recipe(ConvertRecipe, data=data)
-    return Converter(make_plan(recipe, force=force), force=force, progress=False).run()
+    return convert_recipe(recipe, force=force, progress=False)
+
+
+def make_layer0_low_rank(src: Path) -> None:
+    """Make layer 0's K/V projections nearly rank-one, so that it needs far less latent width than the others."""
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(src / "model.safetensors")
+    for name in ("k_proj", "v_proj"):
+        w = sd[f"model.layers.0.self_attn.{name}.weight"]
+        sd[f"model.layers.0.self_attn.{name}.weight"] = torch.outer(w[:, 0], w[0]) + 1e-3 * w
+    save_file(sd, src / "model.safetensors", metadata={"format": "pt"})
 
 
 def load(path: Path):

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from ecomla.cli import main
-from ecomla.convert import converter as converter_mod
+from ecomla.convert import mla as mla_transform
 
 
 def _run(tmp_path, capsys, source, extra_args=(), **mla):
@@ -116,7 +116,7 @@ def test_crash_midway_leaves_nothing(source_factory, tmp_path, capsys, monkeypat
     """A failure after some layers were written removes the temporary directory."""
     src = source_factory("llama")
     calls = {"n": 0}
-    real = converter_mod.convert_attention
+    real = mla_transform.convert_attention
 
     def failing(*args, **kwargs):
         calls["n"] += 1
@@ -124,7 +124,7 @@ def test_crash_midway_leaves_nothing(source_factory, tmp_path, capsys, monkeypat
             raise RuntimeError("simulated crash in layer 1")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(converter_mod, "convert_attention", failing)
+    monkeypatch.setattr(mla_transform, "convert_attention", failing)
     with pytest.raises(RuntimeError, match="simulated crash"):
         _run(tmp_path, capsys, src)
     _nothing_written(tmp_path)

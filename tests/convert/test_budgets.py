@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import torch
-
-from tests.convert.helpers import convert, load
+from tests.convert.helpers import convert, load, make_layer0_low_rank
 
 
 def test_target_compression_derives_rank(source_factory, tmp_path):
@@ -19,14 +17,7 @@ def test_target_compression_derives_rank(source_factory, tmp_path):
 
 def test_energy_allocation_keeps_budget_and_reports_both_ratios(source_factory, tmp_path):
     src = source_factory("llama", num_hidden_layers=4, num_key_value_heads=4)
-    with torch.no_grad():  # make layer 0 nearly rank-one so that it needs far less width than the others
-        from safetensors.torch import load_file, save_file
-
-        sd = load_file(src / "model.safetensors")
-        for name in ("k_proj", "v_proj"):
-            w = sd[f"model.layers.0.self_attn.{name}.weight"]
-            sd[f"model.layers.0.self_attn.{name}.weight"] = torch.outer(w[:, 0], w[0]) + 1e-3 * w
-        save_file(sd, src / "model.safetensors", metadata={"format": "pt"})
+    make_layer0_low_rank(src)
     rep = convert(src, tmp_path / "out", mla={"kv_lora_rank": 24, "qk_rope_head_dim": 8, "rank_allocation": "energy"})
     ranks = [layer["kv_lora_rank"] for layer in rep["layers"]]
     assert sum(ranks) == 4 * 24

@@ -13,8 +13,10 @@ from transformers import AutoModelForCausalLM
 import ecomla  # noqa: F401  (registers model_type "lrkv", as a user's `import ecomla` would)
 from ecomla.cli import main
 from ecomla.convert.recipe import ConvertRecipe
-from ecomla.convert.targets import convert_target, per_query_head, pool_groups
-from ecomla.eval.kv import kv_elements_per_token, measured_kv_bytes_per_token
+from ecomla.convert.stream import convert_recipe
+from ecomla.convert.targets import per_query_head, pool_groups
+from ecomla.eval.kv import measured_kv_bytes_per_token
+from ecomla.mla.budget import kv_elements_per_token
 from ecomla.recipe.schema import load_recipe
 from tests.convert.helpers import load, logit_error
 
@@ -22,7 +24,7 @@ from tests.convert.helpers import load, logit_error
 def convert(source, out, target: str, **sections) -> dict:
     data = {"model": str(source), "output_dir": str(out), "target": target, "dtype": "float32", "device": "cpu"}
     data.update(sections)
-    return convert_target(load_recipe(ConvertRecipe, data=data), force=False, progress=False)
+    return convert_recipe(load_recipe(ConvertRecipe, data=data), force=False, progress=False)
 
 
 def test_pooling_follows_the_query_heads():

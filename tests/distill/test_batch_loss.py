@@ -7,12 +7,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ecomla.data.packing import Doc, block_causal_mask, pack, position_ids, target_mask
 from ecomla.data.shards import InMemoryPacked
-from ecomla.distill.losses import KDLoss, LossSpec, TeacherDist, kd_per_token
+from ecomla.distill.losses import KDLoss, LossConfig, TeacherDist, kd_per_token
 from ecomla.distill.teacher import LiveTeacher
 from ecomla.distill.trainer import batch_loss
 from tests.tiny import make_source
 
-SPEC = LossSpec(kind=KDLoss.FORWARD_KL, ce_weight=0.5)
+SPEC = LossConfig(kind=KDLoss.FORWARD_KL, ce_weight=0.5)
 
 
 def _models(tmp_path, tokenizer_dir):

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from ecomla.distill.losses import (
     KDLoss,
-    LossSpec,
+    LossConfig,
     TeacherDist,
     chunked_loss,
     kd_per_token,
@@ -36,8 +36,8 @@ KINDS = [KDLoss.FORWARD_KL, KDLoss.REVERSE_KL, KDLoss.JSD, KDLoss.SKEW_KL]
 MIX = {KDLoss.JSD: 0.3, KDLoss.SKEW_KL: 0.1}
 
 
-def spec_for(kind: KDLoss, temperature: float = 1.0, **kw) -> LossSpec:
-    return LossSpec(kind=kind, temperature=temperature, mix=MIX.get(kind, 0.5), **kw)
+def spec_for(kind: KDLoss, temperature: float = 1.0, **kw) -> LossConfig:
+    return LossConfig(kind=kind, temperature=temperature, mix=MIX.get(kind, 0.5), **kw)
 
 
 def reference(kind: KDLoss, s: torch.Tensor, t: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -102,19 +102,19 @@ def test_mix_at_its_ends_gives_the_limits():
     # JSD at β ∈ {0, 1} and skew KL at α = 1 compare a distribution with itself; skew KL at α = 0 is forward KL.
     s, t = torch.randn(7, 11), torch.randn(7, 11)
     for sparse in (TeacherDist.from_logits(t, 1.0), TeacherDist.topk_from_logits(t, 1.0, 4)):
-        got = {(kind, mix): kd_per_token(s, sparse, LossSpec(kind=kind, mix=mix))
+        got = {(kind, mix): kd_per_token(s, sparse, LossConfig(kind=kind, mix=mix))
                for kind in (KDLoss.JSD, KDLoss.SKEW_KL) for mix in (0.0, 1.0)}
         assert all(torch.isfinite(d).all() for d in got.values())
         for key in ((KDLoss.JSD, 0.0), (KDLoss.JSD, 1.0), (KDLoss.SKEW_KL, 1.0)):
             torch.testing.assert_close(got[key], torch.zeros(7), rtol=0, atol=1e-6)
-        forward = kd_per_token(s, sparse, LossSpec(kind=KDLoss.FORWARD_KL))
+        forward = kd_per_token(s, sparse, LossConfig(kind=KDLoss.FORWARD_KL))
         torch.testing.assert_close(got[(KDLoss.SKEW_KL, 0.0)], forward)
 
 
 def test_jsd_is_symmetric_with_mix_swapped():
     s, t = torch.randn(7, 11), torch.randn(7, 11)
-    a = kd_per_token(s, TeacherDist.from_logits(t, 1.0), LossSpec(kind=KDLoss.JSD, mix=0.3))
-    b = kd_per_token(t, TeacherDist.from_logits(s, 1.0), LossSpec(kind=KDLoss.JSD, mix=0.7))
+    a = kd_per_token(s, TeacherDist.from_logits(t, 1.0), LossConfig(kind=KDLoss.JSD, mix=0.3))
+    b = kd_per_token(t, TeacherDist.from_logits(s, 1.0), LossConfig(kind=KDLoss.JSD, mix=0.7))
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
@@ -219,7 +219,7 @@ def test_chunked_loss_of_no_rows_is_zero_and_backprops():
     h = torch.randn(0, 4, requires_grad=True)
     t = torch.randn(0, 9)
     sums = chunked_loss(h, head, lambda s, e: TeacherDist.from_logits(t[s:e], 1.0),
-                        torch.zeros(0, dtype=torch.long), LossSpec(ce_weight=1.0), chunk_size=4)
+                        torch.zeros(0, dtype=torch.long), LossConfig(ce_weight=1.0), chunk_size=4)
     assert sums.tokens == 0 and sums.total.item() == 0 and sums.total.requires_grad
     assert sums.total.dtype == torch.float32 and sums.total.dim() == 0
     sums.total.backward()
@@ -234,7 +234,7 @@ def test_masked_rows_never_leak():
     mask[1, :] = False  # a row with no valid tokens at all
     hidden, t_logits = torch.randn(b, t, d), torch.randn(b, t, v)
     targets = torch.randint(0, v, (b, t))
-    spec = LossSpec(kind=KDLoss.JSD, temperature=2.0, ce_weight=0.5)
+    spec = LossConfig(kind=KDLoss.JSD, temperature=2.0, ce_weight=0.5)
 
     def run(hidden, t_logits, targets):
         h = hidden.clone().requires_grad_()
@@ -259,7 +259,7 @@ def test_checkpointed_chunks_do_not_save_full_logits():
     head = torch.nn.Linear(d, v, bias=False)
     hidden, targets = torch.randn(n, d, requires_grad=True), torch.randint(0, v, (n,))
     t_logits = torch.randn(n, v)
-    spec = LossSpec(temperature=2.0, ce_weight=0.5)
+    spec = LossConfig(temperature=2.0, ce_weight=0.5)
 
     def saved_numel(checkpoint: bool) -> int:
         count = [0]
@@ -281,21 +281,21 @@ def test_checkpointed_chunks_do_not_save_full_logits():
 def test_errors():
     s, targets = torch.randn(3, 5), torch.zeros(3, dtype=torch.long)
     with pytest.raises(ValueError, match="needs a teacher"):
-        token_loss(s, None, targets, LossSpec())
+        token_loss(s, None, targets, LossConfig())
     with pytest.raises(ValueError, match="needs a teacher"):
-        chunked_loss(s, lambda h: h, None, targets, LossSpec(ce_weight=1.0), chunk_size=2)
+        chunked_loss(s, lambda h: h, None, targets, LossConfig(ce_weight=1.0), chunk_size=2)
     with pytest.raises(ValueError):
         KDLoss("nope")
     with pytest.raises(ValueError, match="temperature.*mix"):
-        LossSpec(temperature=0.0, mix=1.5)
+        LossConfig(temperature=0.0, mix=1.5)
     with pytest.raises(ValueError, match="nothing to train"):
-        LossSpec(kind=KDLoss.NONE)
-    assert LossSpec(kind="jsd").kind is KDLoss.JSD
+        LossConfig(kind=KDLoss.NONE)
+    assert LossConfig(kind="jsd").kind is KDLoss.JSD
 
 
 def test_no_teacher_needed_without_kd():
     s, targets = torch.randn(3, 5), torch.randint(0, 5, (3,))
-    for spec in (LossSpec(kind=KDLoss.NONE, ce_weight=1.0), LossSpec(kd_weight=0.0, ce_weight=1.0)):
+    for spec in (LossConfig(kind=KDLoss.NONE, ce_weight=1.0), LossConfig(kd_weight=0.0, ce_weight=1.0)):
         total, kd, _ = token_loss(s, None, targets, spec)
         torch.testing.assert_close(total, F.cross_entropy(s, targets, reduction="none"))
         assert (kd == 0).all()
@@ -320,6 +320,6 @@ def test_nan_teacher_is_not_silently_zeroed(kind):
     logits = torch.randn(3, 5)
     teacher_logits = torch.randn(3, 5)
     teacher_logits[1] = float("nan")
-    spec = LossSpec(kind=KDLoss(kind))
+    spec = LossConfig(kind=KDLoss(kind))
     kd = kd_per_token(logits, TeacherDist.from_logits(teacher_logits, 1.0), spec)
     assert torch.isnan(kd[1]) and torch.isfinite(kd[[0, 2]]).all()

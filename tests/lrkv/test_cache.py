@@ -50,7 +50,7 @@ def test_batch_operations_keep_positions_aligned_with_states():
 
 def test_eval_formula_matches_the_lrkv_formula():
     """`ecomla eval` computes KV sizes from config dicts; for LRKV it must agree with lrkv_kv_elements."""
-    from ecomla.eval.kv import kv_elements_per_token
+    from ecomla.mla.budget import kv_elements_per_token
     from ecomla.lrkv import LrkvConfig, lrkv_kv_elements
 
     cfg = LrkvConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,

@@ -10,7 +10,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from ecomla.eval.kv import kv_elements_per_token, measured_kv_bytes_per_token
+from ecomla.eval.kv import measured_kv_bytes_per_token
+from ecomla.mla.budget import kv_elements_per_token
 from ecomla.recipe.schema import RecipeError, load_recipe
 from ecomla.variants.configs import count_params, match_mlp, variant_config
 from ecomla.variants.recipe import SizeSpec, SweepRecipe, VariantSpec
