@@ -29,7 +29,6 @@ The run directory must be on a file system all ranks share.
 
 from __future__ import annotations
 
-import copy
 import os
 import shutil
 import time
@@ -59,7 +58,7 @@ class Stage(CachedStage):
 
 def _sub_recipe(cls: type, section: str, body: dict, fills: dict[str, Any]):
     """The stage's recipe: the run recipe's section with the stage's own keys (`FILLED`) merged in."""
-    data = merged(copy.deepcopy(body), fills)
+    data = merged(body, fills)  # a new dict along the filled paths; load_recipe copies the rest
     try:
         return load_recipe(cls, data=data)
     except RecipeError as err:
