@@ -80,6 +80,51 @@ def measure(model_dir: Path, source_logp: dict, blocks: dict, targets: dict) -> 
     return {d: agreement(zip(source_logp[d], logprobs(model, ids), targets[d])) for d, ids in blocks.items()}
 
 
+class Yardstick:
+    """Held-out blocks of both pytext domains and the source's log-probabilities on them."""
+
+    def __init__(self, model: str, eval_tokens: int, seq_len: int):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(model)
+        n_blocks = eval_tokens // seq_len
+        self.blocks = {d: token_blocks(iter_texts(f"pytext:heldout:{d}"), tok, seq_len, n_blocks) for d in DOMAINS}
+        source_model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+        self.source_logp = {d: logprobs(source_model, ids) for d, ids in self.blocks.items()}
+        del source_model
+        self.targets = {d: [b[:, 1:].reshape(-1) for b in ids.split(4)] for d, ids in self.blocks.items()}
+        self.source = {d: agreement(zip(self.source_logp[d], self.source_logp[d], self.targets[d]))["source_perplexity"]
+                       for d in DOMAINS}
+
+    def measure(self, model_dir: Path) -> dict:
+        return measure(model_dir, self.source_logp, self.blocks, self.targets)
+
+
+def run_cells(out: Path, cells: list, yardstick: Yardstick, settings: dict) -> list[dict]:
+    """Convert and measure each (name, fields, convert(out_dir) -> report) cell; OUT/cells/NAME.json per cell,
+    reused on a rerun when its settings match. The checkpoint is deleted once measured."""
+    (out / "cells").mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i, (name, fields, convert_cell) in enumerate(cells, 1):
+        cell = out / "cells" / f"{name}.json"
+        if cell.is_file() and json.loads(cell.read_text()).get("settings") == settings:
+            rows.append(json.loads(cell.read_text()))
+            print(f"[{i}/{len(cells)}] {name}: reused")
+            continue
+        t0 = time.time()
+        ckpt = out / "ckpt"
+        report = convert_cell(ckpt)
+        row = {**fields, "compression": report["compression_ratio"], **yardstick.measure(ckpt),
+               "convert_seconds": report["seconds"], "seconds": time.time() - t0, "settings": settings}
+        shutil.rmtree(ckpt, ignore_errors=True)
+        cell.write_text(json.dumps(row, indent=2) + "\n")
+        rows.append(row)
+        print(f"[{i}/{len(cells)}] {name} ({row['compression']:.2f}x): ppl prose "
+              f"{row['prose']['converted_perplexity']:,.1f}, code {row['code']['converted_perplexity']:,.1f} "
+              f"({row['seconds']:.0f} s)", flush=True)
+    return rows
+
+
 def plot(rows: list[dict], source: dict, path: Path) -> None:
     import matplotlib
 
@@ -137,41 +182,15 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"{args.out}/cells holds no finished cell")
         return write_outputs(Path(args.out), rows, {d: rows[0][d]["source_perplexity"] for d in DOMAINS})
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     out = Path(args.out)
-    (out / "cells").mkdir(parents=True, exist_ok=True)
-    tok = AutoTokenizer.from_pretrained(args.model)
-    n_blocks = args.eval_tokens // args.seq_len
-    blocks = {d: token_blocks(iter_texts(f"pytext:heldout:{d}"), tok, args.seq_len, n_blocks) for d in DOMAINS}
-    source_model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
-    source_logp = {d: logprobs(source_model, ids) for d, ids in blocks.items()}
-    del source_model
-    targets = {d: [b[:, 1:].reshape(-1) for b in ids.split(4)] for d, ids in blocks.items()}
-    source = {d: agreement(zip(source_logp[d], source_logp[d], targets[d]))["source_perplexity"] for d in DOMAINS}
+    yardstick = Yardstick(args.model, args.eval_tokens, args.seq_len)
     settings = {"model": str(Path(args.model).resolve()), "calibration_tokens": args.calibration_tokens,
                 "eval_tokens": args.eval_tokens, "seq_len": args.seq_len}
-    rows = []
-    cells = [(name, r_kv, d_r) for (r_kv, d_r) in args.budgets for name in args.recipes]
-    for i, (name, r_kv, d_r) in enumerate(cells, 1):
-        cell = out / "cells" / f"{name}_{r_kv}+{d_r}.json"
-        if cell.is_file() and json.loads(cell.read_text()).get("settings") == settings:
-            rows.append(json.loads(cell.read_text()))
-            print(f"[{i}/{len(cells)}] {name} {r_kv}+{d_r}: reused")
-            continue
-        t0 = time.time()
-        ckpt = out / "ckpt"
-        report = convert(args, name, r_kv, d_r, ckpt)
-        row = {"recipe": name, "budget": f"{r_kv}+{d_r}", "kv_lora_rank": r_kv, "qk_rope_head_dim": d_r,
-               "compression": report["compression_ratio"], **measure(ckpt, source_logp, blocks, targets),
-               "convert_seconds": report["seconds"], "seconds": time.time() - t0, "settings": settings}
-        shutil.rmtree(ckpt, ignore_errors=True)
-        cell.write_text(json.dumps(row, indent=2) + "\n")
-        rows.append(row)
-        print(f"[{i}/{len(cells)}] {name} {r_kv}+{d_r} ({row['compression']:.2f}x): ppl prose "
-              f"{row['prose']['converted_perplexity']:,.1f}, code {row['code']['converted_perplexity']:,.1f} "
-              f"({row['seconds']:.0f} s)", flush=True)
-    return write_outputs(out, rows, source)
+    cells = [(f"{name}_{r_kv}+{d_r}", {"recipe": name, "budget": f"{r_kv}+{d_r}", "kv_lora_rank": r_kv,
+                                         "qk_rope_head_dim": d_r}, lambda o, n=name, r=r_kv, d=d_r: convert(args, n, r, d, o))
+             for (r_kv, d_r) in args.budgets for name in args.recipes]
+    rows = run_cells(out, cells, yardstick, settings)
+    return write_outputs(out, rows, yardstick.source)
 
 
 def write_outputs(out: Path, rows: list[dict], source: dict) -> int:

@@ -18,6 +18,7 @@ import math
 
 import torch
 
+from ecomla.convert import presets
 from ecomla.convert.metrics import heldout_metrics, kv_errors
 from ecomla.convert.plan import MLAPlan, rope_covariance, source_inv_freq
 from ecomla.convert.source import LayerRunner, rotary_embedding
@@ -46,7 +47,7 @@ def fit_layer(plan: MLAPlan, i: int, src: SourceAttention, y: torch.Tensor | Non
     geo, layer, init = plan.geometry, plan.layers[i], plan.recipe.init
     method = init.method
     std = plan.config.initializer_range
-    fit_kv = make_fitter(method, y, init.ridge, gen, std)
+    fit_kv = make_fitter(method, y, init.ridge, gen, std, kv_balance=init.kv_balance)
     fit_q = None
     if geo.q_lora_rank is not None:
         fit_q = make_fitter("svd" if method == "random" else method, y, init.ridge, gen, std)
@@ -131,6 +132,8 @@ class MLATransform:
         d_r = geo.qk_rope_head_dim
         fields = {
             "init_method": plan.recipe.init.method,
+            "preset": presets.expansion(plan.recipe.init.preset, plan.recipe.mla, plan.recipe.init),
+            "kv_balance": plan.recipe.init.kv_balance,
             "compression_ratio": compression_ratio(shape, ranks, d_r),
             "stock_cache_compression_ratio": compression_ratio(shape, geo.kv_lora_rank, d_r),
             "kv_elements_per_token_per_layer": {"before": shape.kv_elements,

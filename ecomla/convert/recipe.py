@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from ecomla.convert import presets
 from ecomla.mla.rope import RopeDims
 from ecomla.mla.rope_key import RopeAllocation, RopeKey, RopeResidual
 from ecomla.recipe.schema import knob
@@ -166,6 +167,18 @@ class InitConfig:
         "held-out reconstruction error and perplexity to the report)"
     )
     ridge: float = knob(1e-6, help="method=activation: ridge on the up-projection fit, relative to the mean eigenvalue")
+    kv_balance: bool = knob(
+        False,
+        help="Fit the latent's basis with the key rows scaled to the value rows' total energy (TransMLA's balanced "
+        "K/V PCA; energy under the calibration inputs for method=activation, the weights' norm for svd); the "
+        "up-projection still reproduces the unscaled keys and values",
+    )
+    preset: Literal["xecomla", "mha2mla", "transmla", "care", "best"] | None = knob(
+        None,
+        help="A named recipe that fills the mla/init keys this recipe leaves unset (set keys win; the report's "
+        "`preset` records the expansion and the overrides). " + presets.describe() + ". Shapes and calibration "
+        "stay the recipe's; how each peer is approximated in stock DeepSeek-V3: docs/convert.md#presets",
+    )
 
 
 @dataclass
@@ -225,6 +238,11 @@ class ConvertRecipe:
     device: str = knob("auto", help="Where to compute: auto (cuda if available), cpu, cuda, cuda:1, ...")
     seed: int = knob(0, help="Seed for method=random")
 
+    @staticmethod
+    def expand_raw(data: dict) -> dict:
+        """init.preset's keys, filled in before validation (`ecomla.convert.presets`)."""
+        return presets.expand(data)
+
     def check(self) -> list[str]:
         problems = self._target_problems()
         if self.target != "mla":
@@ -237,7 +255,9 @@ class ConvertRecipe:
         if self.mla.rope_key == "rorope_act":
             needs.append("mla.rope_key=rorope_act")
         if needs and self.init.calibration is None:
-            problems.append(f"init.calibration: {' and '.join(needs)} need calibration data; set init.calibration.dataset")
+            via = f" (init.preset {self.init.preset})" if self.init.preset else ""
+            problems.append(f"init.calibration: {' and '.join(needs)}{via} need calibration data; set "
+                            f"init.calibration.dataset")
         return problems
 
     def _target_problems(self) -> list[str]:

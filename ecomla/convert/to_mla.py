@@ -183,6 +183,12 @@ def kv_rows(
     return torch.cat(parts + [v], dim=1).reshape(n * (geo.qk_nope_head_dim + d_h), -1)
 
 
+def key_rows(geo: MLAGeometry, n: int) -> torch.Tensor:
+    """(n·(qk_nope + d_h),) bool: which rows of `kv_rows` for n heads are key rows (k_nope and k_res)."""
+    per_head = torch.cat([torch.ones(geo.qk_nope_head_dim, dtype=torch.bool), torch.zeros(geo.head_dim, dtype=torch.bool)])
+    return per_head.repeat(n)
+
+
 def output_pairs(geo: MLAGeometry) -> list[tuple[int, int]]:
     """Row pairs (a, b) inside the d_r RoPE rows that rotate together, in the output layout."""
     half = geo.qk_rope_head_dim // 2
@@ -226,27 +232,47 @@ def o_bias(geo: MLAGeometry, src: SourceAttention) -> torch.Tensor | None:
 
 
 # A fitter turns the rows a latent must reproduce into (down rows, up-projection).
-# It gets M (m, d_in), the latent's rank and its padded width, and returns (Basis, up (m, width)).
-LatentFit = Callable[[torch.Tensor, int, int], tuple[Basis, torch.Tensor]]
+# It gets M (m, d_in), the latent's rank and its padded width, and optionally a mask of M's key rows
+# (for init.kv_balance), and returns (Basis, up (m, width)).
+LatentFit = Callable[..., tuple[Basis, torch.Tensor]]
 
 
-def make_fitter(method: str, y: torch.Tensor | None, ridge: float, gen: torch.Generator, std: float) -> LatentFit:
+def balance_scale(M: torch.Tensor, key_rows: torch.Tensor, cov: torch.Tensor | None) -> torch.Tensor:
+    """(m,) row factors that give M's key rows the same total energy as its value rows (TransMLA's balanced
+    K/V PCA): energy under the inputs' second moment cov, or the weights' squared norm when cov is None.
+    Keys keep factor 1 when either part has no energy."""
+    M = M.double()
+    per_row = (M @ cov.double() * M).sum(1) if cov is not None else M.square().sum(1)
+    e_k, e_v = float(per_row[key_rows].sum()), float(per_row[~key_rows].sum())
+    scale = torch.ones(M.shape[0], dtype=torch.float64)
+    if e_k > 0 and e_v > 0:
+        scale[key_rows] = (e_v / e_k) ** 0.5
+    return scale
+
+
+def make_fitter(method: str, y: torch.Tensor | None, ridge: float, gen: torch.Generator, std: float,
+                kv_balance: bool = False) -> LatentFit:
     """The latent fit of one layer (`init.method`; the math is `ecomla.mla.latent`'s).
 
     svd: the weights' top singular directions; activation: the top directions of M under the inputs'
     second moment (y: the layer's normalized inputs, (N, d)), with a ridge-fitted up-projection; random:
     the stock initializer, N(0, std), for both projections. A query bias rides as a constant-1 input
-    coordinate when M has d + 1 columns.
+    coordinate when M has d + 1 columns. kv_balance (with key_rows given): the basis is fitted to M with
+    its key rows scaled to the value rows' energy (`balance_scale`), the up-projection to M itself.
     """
 
-    def fit(M: torch.Tensor, rank: int, width: int) -> tuple[Basis, torch.Tensor]:
+    def fit(M: torch.Tensor, rank: int, width: int, key_rows: torch.Tensor | None = None) -> tuple[Basis, torch.Tensor]:
+        balance = kv_balance and key_rows is not None and bool(key_rows.any()) and not bool(key_rows.all())
         if method == "svd":
-            basis = latent.weight_basis(M, rank)
+            fitted = M * balance_scale(M, key_rows, None)[:, None] if balance else M
+            basis = latent.weight_basis(fitted, rank)
             return basis, pad_cols(latent.up_from_weights(M, basis.rows, width), width)
         if method == "activation":
             ya = y if y.shape[1] == M.shape[1] else torch.cat([y, torch.ones(y.shape[0], 1, dtype=y.dtype)], dim=1)
             ya = ya.double()
-            basis = latent.activation_basis(M, latent.second_moment(ya), rank)
+            cov = latent.second_moment(ya)
+            fitted = M.double() * balance_scale(M, key_rows, cov)[:, None] if balance else M
+            basis = latent.activation_basis(fitted, cov, rank)
             return basis, latent.up_from_activations(M, pad_rows(basis.rows, width), ya, ridge=ridge)
         rows = torch.randn(rank, M.shape[1], generator=gen, dtype=torch.float64) * std
         up = torch.randn(M.shape[0], width, generator=gen, dtype=torch.float64) * std
@@ -297,7 +323,7 @@ def convert_attention(
     # Keys and values through the latent (with the residual RoPE key part, under rope_residual=latent).
     rope = rope_key(geo, split, src, rope_cov)
     M_kv = kv_rows(geo, split, src, repeat=True, residual=rope.residual)
-    kv_basis, kv_up = fit_kv(M_kv, kv_lora_rank, geo.kv_lora_rank)
+    kv_basis, kv_up = fit_kv(M_kv, kv_lora_rank, geo.kv_lora_rank, key_rows(geo, geo.n_heads))
     out["kv_a_proj_with_mqa.weight"] = torch.cat([pad_rows(kv_basis.rows, geo.kv_lora_rank), rope.weight], dim=0)
     if geo.attention_bias:
         rope_b = rope.bias if rope.bias is not None else torch.zeros(geo.qk_rope_head_dim, dtype=torch.float64)

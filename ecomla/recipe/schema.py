@@ -248,6 +248,9 @@ def _build(cls: type, data: dict, path: str, ctx: _Ctx) -> Any:
     fields, hints = _schema(cls)
     names = [f.name for f in fields]
     start = len(ctx.problems)
+    expand = getattr(cls, "expand_raw", None)  # a recipe class may fill keys from named presets first
+    if callable(expand):
+        data = expand(data)
     for key in data:
         if key not in names:
             close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.6)

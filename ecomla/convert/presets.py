@@ -1,0 +1,84 @@
+"""`init.preset`: the peers' conversion recipes (and ecomla's best) as named sets of recipe keys.
+
+A preset fills the `mla` and `init` keys that a recipe leaves unset; a key the recipe
+sets itself wins, and the conversion report records both the expansion and what the
+recipe overrode. The shapes (kv_lora_rank or target_compression, qk_rope_head_dim)
+and the calibration data stay the recipe's: a preset is how to convert, not how much.
+
+How each peer is approximated in the stock DeepSeek-V3 layout (one shared RoPE key,
+one kv_lora_rank for every layer) is in docs/convert.md#presets.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Keys by section, as they appear in a recipe.
+PRESETS: dict[str, dict[str, dict[str, Any]]] = {
+    # X-EcoMLA (arXiv 2503.11132): joint SVD of the weights, fresh RoPE on the last dims, the mean KV head's key.
+    "xecomla": {"init": {"method": "svd"}, "mla": {"rope_dims": "last", "rope_key": "mean"}},
+    # MHA2MLA (arXiv 2502.14837): 2-norm partial RoPE, joint SVD of [W_k,nope; W_v]. Its per-head RoPE keys
+    # become the stock shared key, the mean over KV heads.
+    "mha2mla": {"init": {"method": "svd"}, "mla": {"rope_dims": "norm", "rope_key": "mean"}},
+    # TransMLA (arXiv 2502.07864): RoRoPE (a PCA over KV heads per frequency pair, from activations), the
+    # other head mixtures kept unrotated through the latent, and a balanced K/V PCA on calibration activations.
+    # FreqFold is not reproduced.
+    "transmla": {"init": {"method": "activation", "kv_balance": True},
+                 "mla": {"rope_dims": "high", "rope_key": "rorope_act", "rope_residual": "latent"}},
+    # CARE (ICLR 2026): SVD under the inputs' covariance (the activation fit), X-EcoMLA's RoPE layout; its
+    # per-layer ranks are not used (stock DeepSeek-V3 has one kv_lora_rank).
+    "care": {"init": {"method": "activation"}, "mla": {"rope_dims": "last", "rope_key": "mean"}},
+    # ecomla's best one-shot recipe on the real model so far (docs/real_model.md, the one-shot table).
+    "best": {"init": {"method": "activation"},
+             "mla": {"rope_dims": "high", "rope_key": "rorope_act", "rope_residual": "latent_mean"}},
+}
+
+PRESET_NAMES = tuple(PRESETS)
+
+
+def describe() -> str:
+    """One line per preset for --help: name -> its keys."""
+    parts = []
+    for name, sections in PRESETS.items():
+        keys = ", ".join(f"{sec}.{k}={v}" for sec, kv in sections.items() for k, v in kv.items())
+        parts.append(f"{name}: {keys}")
+    return "; ".join(parts)
+
+
+def expand(raw: dict) -> dict:
+    """The raw convert recipe with `init.preset`'s keys filled in where unset.
+
+    Returns a new mapping (the input is not changed). A recipe without a preset, for another target,
+    or with a preset or section of the wrong kind (which the schema then reports), comes back as it is.
+    """
+    init = raw.get("init")
+    if not isinstance(init, dict) or init.get("preset") is None or raw.get("target", "mla") != "mla":
+        return raw  # other targets refuse an init section that is set
+    name = init["preset"]
+    if name not in PRESETS:
+        return raw  # the schema reports the bad value with its choices
+    out = dict(raw)
+    for section, keys in PRESETS[name].items():
+        given = out.get(section)
+        if given is not None and not isinstance(given, dict):
+            return raw  # the schema reports the wrong type
+        merged = dict(given or {})
+        for key, value in keys.items():
+            merged.setdefault(key, value)
+        out[section] = merged
+    return out
+
+
+def expansion(name: str | None, mla: Any, init: Any) -> dict | None:
+    """For the report: the preset's keys, and those the recipe set to something else (key -> value used)."""
+    if name is None:
+        return None
+    overridden = {}
+    for section, keys in PRESETS[name].items():
+        obj = mla if section == "mla" else init
+        for key, value in keys.items():
+            used = getattr(obj, key)
+            if used != value:
+                overridden[f"{section}.{key}"] = used
+    keys = {f"{sec}.{k}": v for sec, kv in PRESETS[name].items() for k, v in kv.items()}
+    return {"name": name, "keys": keys, "overridden": overridden}

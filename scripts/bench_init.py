@@ -1,0 +1,119 @@
+"""The conversion presets side by side on one model, no training: `init.preset` x KV ratio, in one run.
+
+    python scripts/bench_init.py --model models/smollm2-135m-instruct --out runs/bench_init/smollm2
+    python scripts/bench_init.py --model M --out O --presets xecomla best --budgets 64+32
+
+For each preset (xecomla, mha2mla, transmla, care, best; `ecomla convert --help` lists their keys) and each
+budget r_kv + d_r, it converts the model with `ecomla convert`'s own code, every preset calibrated on the same
+`pytext:calibration` tokens (the weights-only presets read them only where their keys need data: mha2mla's
+2-norm RoPE dims), and measures it against the source on held-out blocks of both pytext domains: perplexity,
+KL(source‖converted), top-1 agreement per token, and the conversion's wall time. Cells are kept in OUT/cells/
+and reused on a rerun with the same settings. Writes OUT/table.md, OUT/table.json and OUT/chart.png (held-out
+perplexity against compression, one line per preset, one panel per domain). The multiple-choice task scores
+are not measured here (`ecomla eval` on a kept checkpoint gives them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from oneshot_table import DOMAINS, Yardstick, parse_budget, run_cells  # noqa: E402
+
+from ecomla.convert import presets  # noqa: E402
+from ecomla.convert.recipe import ConvertRecipe  # noqa: E402
+from ecomla.convert.stream import convert_recipe  # noqa: E402
+from ecomla.recipe.schema import load_recipe  # noqa: E402
+
+# One budget per ratio of SmolLM2's 384 cached numbers: 2.0x, 3.0x, 4.0x, 6.4x
+BUDGETS = ("128+64", "64+64", "64+32", "28+32")
+
+
+def convert(args, preset: str, r_kv: int, d_r: int, out: Path) -> dict:
+    data = {"model": args.model, "output_dir": str(out), "dtype": "float32", "device": "cpu",
+            "mla": {"kv_lora_rank": r_kv, "qk_rope_head_dim": d_r},
+            "init": {"preset": preset, "calibration": {"dataset": "pytext:calibration",
+                                                       "num_tokens": args.calibration_tokens,
+                                                       "seq_len": args.seq_len, "heldout_tokens": 0}}}
+    return convert_recipe(load_recipe(ConvertRecipe, data=data), force=True, progress=False)
+
+
+def table(rows: list[dict], source: dict, wall: float | None) -> str:
+    lines = [f"Source: held-out perplexity {source['prose']:.2f} (prose), {source['code']:.2f} (code)."
+             + (f" Whole run: {wall / 60:.1f} min." if wall else ""), "",
+             "| r_kv + d_r | ratio | preset | ppl prose | ppl code | KL prose | KL code | top-1 prose | top-1 code "
+             "| convert s |", "|" + "---|" * 10]
+    for r in sorted(rows, key=lambda r: (r["compression"], r["prose"]["converted_perplexity"])):
+        p, c = r["prose"], r["code"]
+        lines.append(f"| {r['budget']} | {r['compression']:.2f}× | {r['preset']} "
+                     f"| {p['converted_perplexity']:,.1f} | {c['converted_perplexity']:,.1f} "
+                     f"| {p['kl_source_to_converted']:.3f} | {c['kl_source_to_converted']:.3f} "
+                     f"| {p['top1_agreement']:.1%} | {c['top1_agreement']:.1%} | {r['convert_seconds']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], source: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(DOMAINS), figsize=(11, 4.4))
+    for ax, domain in zip(axes, DOMAINS):
+        for name in presets.PRESET_NAMES:
+            pts = sorted((r["compression"], r[domain]["converted_perplexity"]) for r in rows if r["preset"] == name)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=name)
+        ax.axhline(source[domain], color="k", linestyle="--", label="source")
+        ax.set_yscale("log")
+        ax.set_xlabel("KV compression (×)")
+        ax.set_ylabel("held-out perplexity (log)")
+        ax.set_title(f"{domain}, no training")
+        ax.grid(alpha=0.3, which="both")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import time
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True, help="source checkpoint directory")
+    p.add_argument("--out", required=True, help="output directory (cells/, table.md, table.json, chart.png)")
+    p.add_argument("--presets", nargs="+", default=list(presets.PRESET_NAMES), choices=list(presets.PRESET_NAMES),
+                   help="presets to run (default: all)")
+    p.add_argument("--budgets", nargs="+", type=parse_budget, default=[parse_budget(b) for b in BUDGETS],
+                   help=f"R_KV+D_R budgets (default: {' '.join(BUDGETS)})")
+    p.add_argument("--calibration-tokens", type=int, default=16384, help="calibration tokens, every preset")
+    p.add_argument("--eval-tokens", type=int, default=4096, help="held-out tokens per domain")
+    p.add_argument("--seq-len", type=int, default=512, help="block length for calibration and held-out text")
+    args = p.parse_args(argv)
+    t0 = time.time()
+    out = Path(args.out)
+    yardstick = Yardstick(args.model, args.eval_tokens, args.seq_len)
+    settings = {"model": str(Path(args.model).resolve()), "calibration_tokens": args.calibration_tokens,
+                "eval_tokens": args.eval_tokens, "seq_len": args.seq_len, "presets": presets.PRESETS}
+    cells = [(f"{name}_{r_kv}+{d_r}", {"preset": name, "budget": f"{r_kv}+{d_r}", "kv_lora_rank": r_kv,
+                                       "qk_rope_head_dim": d_r}, lambda o, n=name, r=r_kv, d=d_r: convert(args, n, r, d, o))
+             for (r_kv, d_r) in args.budgets for name in args.presets]
+    rows = run_cells(out, cells, yardstick, settings)
+    wall = time.time() - t0
+    (out / "table.json").write_text(json.dumps({"source": yardstick.source, "wall_seconds": wall, "rows": rows},
+                                               indent=2) + "\n")
+    (out / "table.md").write_text(table(rows, yardstick.source, wall))
+    plot(rows, yardstick.source, out / "chart.png")
+    print(table(rows, yardstick.source, wall), end="")
+    print(f"wrote {out}/table.md, table.json and chart.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
