@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from oneshot_table import DOMAINS, Yardstick, parse_budget, run_cells  # noqa: E402
+from oneshot_table import Yardstick, parse_budget, plot, run_cells, run_settings  # noqa: E402
 
 from ecomla.convert import presets  # noqa: E402
 from ecomla.convert.recipe import ConvertRecipe  # noqa: E402
@@ -58,30 +58,6 @@ def table(rows: list[dict], source: dict, wall: float | None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(rows: list[dict], source: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(DOMAINS), figsize=(11, 4.4))
-    for ax, domain in zip(axes, DOMAINS):
-        for name in presets.PRESET_NAMES:
-            pts = sorted((r["compression"], r[domain]["converted_perplexity"]) for r in rows if r["preset"] == name)
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=name)
-        ax.axhline(source[domain], color="k", linestyle="--", label="source")
-        ax.set_yscale("log")
-        ax.set_xlabel("KV compression (×)")
-        ax.set_ylabel("held-out perplexity (log)")
-        ax.set_title(f"{domain}, no training")
-        ax.grid(alpha=0.3, which="both")
-    axes[0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def main(argv: list[str] | None = None) -> int:
     import time
 
@@ -99,8 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     out = Path(args.out)
     yardstick = Yardstick(args.model, args.eval_tokens, args.seq_len)
-    settings = {"model": str(Path(args.model).resolve()), "calibration_tokens": args.calibration_tokens,
-                "eval_tokens": args.eval_tokens, "seq_len": args.seq_len, "presets": presets.PRESETS}
+    settings = {**run_settings(args), "presets": presets.PRESETS}
     cells = [(f"{name}_{r_kv}+{d_r}", {"preset": name, "budget": f"{r_kv}+{d_r}", "kv_lora_rank": r_kv,
                                        "qk_rope_head_dim": d_r}, lambda o, n=name, r=r_kv, d=d_r: convert(args, n, r, d, o))
              for (r_kv, d_r) in args.budgets for name in args.presets]
@@ -109,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "table.json").write_text(json.dumps({"source": yardstick.source, "wall_seconds": wall, "rows": rows},
                                                indent=2) + "\n")
     (out / "table.md").write_text(table(rows, yardstick.source, wall))
-    plot(rows, yardstick.source, out / "chart.png")
+    plot(rows, yardstick.source, out / "chart.png", key="preset", names=presets.PRESET_NAMES)
     print(table(rows, yardstick.source, wall), end="")
     print(f"wrote {out}/table.md, table.json and chart.png")
     return 0

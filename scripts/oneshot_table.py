@@ -80,6 +80,12 @@ def measure(model_dir: Path, source_logp: dict, blocks: dict, targets: dict) -> 
     return {d: agreement(zip(source_logp[d], logprobs(model, ids), targets[d])) for d, ids in blocks.items()}
 
 
+def run_settings(args) -> dict:
+    """What a cell's numbers depend on besides its recipe: a cell is reused only when these match."""
+    return {"model": str(Path(args.model).resolve()), "calibration_tokens": args.calibration_tokens,
+            "eval_tokens": args.eval_tokens, "seq_len": args.seq_len}
+
+
 class Yardstick:
     """Held-out blocks of both pytext domains and the source's log-probabilities on them."""
 
@@ -125,7 +131,9 @@ def run_cells(out: Path, cells: list, yardstick: Yardstick, settings: dict) -> l
     return rows
 
 
-def plot(rows: list[dict], source: dict, path: Path) -> None:
+def plot(rows: list[dict], source: dict, path: Path, key: str = "recipe", names=tuple(RECIPES)) -> None:
+    """Held-out perplexity against compression, one line per rows' `key` value (in `names` order), a panel per
+    domain."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -133,8 +141,8 @@ def plot(rows: list[dict], source: dict, path: Path) -> None:
 
     fig, axes = plt.subplots(1, len(DOMAINS), figsize=(11, 4.4))
     for ax, domain in zip(axes, DOMAINS):
-        for name in RECIPES:
-            pts = sorted((r["compression"], r[domain]["converted_perplexity"]) for r in rows if r["recipe"] == name)
+        for name in names:
+            pts = sorted((r["compression"], r[domain]["converted_perplexity"]) for r in rows if r[key] == name)
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=name)
         ax.axhline(source[domain], color="k", linestyle="--", label="source")
@@ -184,8 +192,7 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(args.out)
     yardstick = Yardstick(args.model, args.eval_tokens, args.seq_len)
-    settings = {"model": str(Path(args.model).resolve()), "calibration_tokens": args.calibration_tokens,
-                "eval_tokens": args.eval_tokens, "seq_len": args.seq_len}
+    settings = run_settings(args)
     cells = [(f"{name}_{r_kv}+{d_r}", {"recipe": name, "budget": f"{r_kv}+{d_r}", "kv_lora_rank": r_kv,
                                          "qk_rope_head_dim": d_r}, lambda o, n=name, r=r_kv, d=d_r: convert(args, n, r, d, o))
              for (r_kv, d_r) in args.budgets for name in args.recipes]

@@ -11,7 +11,7 @@ one kv_lora_rank for every layer) is in docs/convert.md#presets.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 # Keys by section, as they appear in a recipe.
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
@@ -34,15 +34,17 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
 }
 
 PRESET_NAMES = tuple(PRESETS)
+PresetName = Literal[PRESET_NAMES]  # the recipe's type for init.preset: exactly the names above
+
+
+def dotted(name: str) -> dict[str, Any]:
+    """A preset's keys as 'section.key' -> value."""
+    return {f"{sec}.{k}": v for sec, kv in PRESETS[name].items() for k, v in kv.items()}
 
 
 def describe() -> str:
-    """One line per preset for --help: name -> its keys."""
-    parts = []
-    for name, sections in PRESETS.items():
-        keys = ", ".join(f"{sec}.{k}={v}" for sec, kv in sections.items() for k, v in kv.items())
-        parts.append(f"{name}: {keys}")
-    return "; ".join(parts)
+    """The presets for --help: 'name: section.key=value, ...; ...'."""
+    return "; ".join(f"{name}: " + ", ".join(f"{k}={v}" for k, v in dotted(name).items()) for name in PRESETS)
 
 
 def expand(raw: dict) -> dict:
@@ -73,12 +75,7 @@ def expansion(name: str | None, mla: Any, init: Any) -> dict | None:
     """For the report: the preset's keys, and those the recipe set to something else (key -> value used)."""
     if name is None:
         return None
-    overridden = {}
-    for section, keys in PRESETS[name].items():
-        obj = mla if section == "mla" else init
-        for key, value in keys.items():
-            used = getattr(obj, key)
-            if used != value:
-                overridden[f"{section}.{key}"] = used
-    keys = {f"{sec}.{k}": v for sec, kv in PRESETS[name].items() for k, v in kv.items()}
-    return {"name": name, "keys": keys, "overridden": overridden}
+    sections = {"mla": mla, "init": init}
+    keys = dotted(name)
+    used = {dot: getattr(sections[dot.split(".")[0]], dot.split(".")[1]) for dot in keys}
+    return {"name": name, "keys": keys, "overridden": {dot: v for dot, v in used.items() if v != keys[dot]}}

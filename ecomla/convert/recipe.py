@@ -173,7 +173,7 @@ class InitConfig:
         "K/V PCA; energy under the calibration inputs for method=activation, the weights' norm for svd); the "
         "up-projection still reproduces the unscaled keys and values",
     )
-    preset: Literal["xecomla", "mha2mla", "transmla", "care", "best"] | None = knob(
+    preset: presets.PresetName | None = knob(
         None,
         help="A named recipe that fills the mla/init keys this recipe leaves unset (set keys win; the report's "
         "`preset` records the expansion and the overrides). " + presets.describe() + ". Shapes and calibration "

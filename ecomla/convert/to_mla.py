@@ -262,9 +262,9 @@ def make_fitter(method: str, y: torch.Tensor | None, ridge: float, gen: torch.Ge
     """
 
     def fit(M: torch.Tensor, rank: int, width: int, key_rows: torch.Tensor | None = None) -> tuple[Basis, torch.Tensor]:
-        balance = kv_balance and key_rows is not None and bool(key_rows.any()) and not bool(key_rows.all())
+        balance = kv_balance and key_rows is not None
         if method == "svd":
-            fitted = M * balance_scale(M, key_rows, None)[:, None] if balance else M
+            fitted = M.double() * balance_scale(M, key_rows, None)[:, None] if balance else M
             basis = latent.weight_basis(fitted, rank)
             return basis, pad_cols(latent.up_from_weights(M, basis.rows, width), width)
         if method == "activation":

@@ -7,17 +7,12 @@ and the wider latent of the same preset is no worse on KL; a rerun reuses every 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.scripts.test_oneshot_table import run_small
 
 
-def _run(src: Path, out: Path) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, str(ROOT / "scripts" / "bench_init.py"), "--model", str(src), "--out", str(out),
-           "--budgets", "16+8", "64+8", "--calibration-tokens", "1024", "--eval-tokens", "512", "--seq-len", "128"]
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900)
+def _run(src, out):
+    return run_small(src, out, "bench_init.py")
 
 
 def test_every_preset_at_every_budget_then_a_rerun_reuses_them(source_factory, tmp_path):

@@ -15,8 +15,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _run(src: Path, out: Path) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, str(ROOT / "scripts" / "oneshot_table.py"), "--model", str(src), "--out", str(out),
+def run_small(src: Path, out: Path, script: str = "oneshot_table.py") -> subprocess.CompletedProcess:
+    """The script at two tiny budgets (16+8, 64+8) with little calibration and held-out text."""
+    cmd = [sys.executable, str(ROOT / "scripts" / script), "--model", str(src), "--out", str(out),
            "--budgets", "16+8", "64+8", "--calibration-tokens", "1024", "--eval-tokens", "512", "--seq-len", "128"]
     return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900)
 
@@ -25,7 +26,7 @@ def test_every_recipe_at_every_budget_then_a_rerun_reuses_them(source_factory, t
     from scripts.oneshot_table import RECIPES
 
     src = source_factory("llama")  # 2 KV heads of 16: 64 cached numbers per token and layer
-    proc = _run(src, tmp_path / "out")
+    proc = run_small(src, tmp_path / "out")
     assert proc.returncode == 0, proc.stderr[-3000:]
     table = json.loads((tmp_path / "out" / "table.json").read_text())
     rows = {(r["recipe"], r["budget"]): r for r in table["rows"]}
@@ -38,7 +39,7 @@ def test_every_recipe_at_every_budget_then_a_rerun_reuses_them(source_factory, t
             assert 0 < wide[domain]["kl_source_to_converted"] <= small[domain]["kl_source_to_converted"] * 1.05
     assert (tmp_path / "out" / "chart.png").stat().st_size > 10_000
     assert not (tmp_path / "out" / "ckpt").exists()
-    again = _run(src, tmp_path / "out")
+    again = run_small(src, tmp_path / "out")
     assert again.returncode == 0 and again.stdout.count(": reused") == len(rows)
     md = (tmp_path / "out" / "table.md").read_text()
     (tmp_path / "out" / "table.md").unlink()
