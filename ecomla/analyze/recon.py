@@ -45,7 +45,8 @@ class NamedSource(TextSource):
 # MLAConfig keys this analysis refuses rather than ignore: the allocations choose per-layer shapes from one
 # fixed calibration set, which this analysis varies; the query rank and the residual's averaging context shape
 # only the query rows, which play no part in the K/V error.
-UNREAD_MLA_KEYS = ("rank_allocation", "energy_multiple", "rope_allocation", "q_lora_rank", "rope_residual_context")
+UNREAD_MLA_KEYS = ("rank_allocation", "energy_multiple", "rope_allocation", "q_lora_rank", "rope_residual_context",
+                   "rope_residual_distances")
 
 
 @dataclass
@@ -146,7 +147,8 @@ def run_recon(recipe: ReconRecipe, *, force: bool = False, progress: bool = True
             res, _ = fit_layer(plan, i, kv_only, y_fit[:n], torch.Generator())
             for h_idx, y in enumerate(ys_held):
                 errors[n_idx][h_idx].append(
-                    kv_errors(geo, split, kv_only, res.tensors, y, res.rope.head_scale, res.rope.residual))
+                    kv_errors(geo, split, kv_only, res.tensors, y * geo.input_gain, res.rope.head_scale,
+                              res.rope.residual))
         layer = runner.build(i, t)
         h_fit = runner.run(layer, h_fit, recipe.batch_size)
         h_held = [runner.run(layer, h, recipe.batch_size) for h in h_held]

@@ -64,11 +64,13 @@ def agreement(batches: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 @torch.no_grad()
-def heldout_metrics(h_src: torch.Tensor, h_cvt: torch.Tensor, ids: torch.Tensor, reader, tied: bool, eps: float) -> dict:
+def heldout_metrics(h_src: torch.Tensor, h_cvt: torch.Tensor, ids: torch.Tensor, reader, tied: bool, eps: float,
+                    converted_eps: float | None = None) -> dict:
     """Perplexity of both models, and KL(source‖converted) and top-1 agreement per token, on held-out blocks.
 
     Takes the last hidden states (N, T, d) of each model and applies the shared
-    final norm and head in small batches, so the full logits never coexist.
+    final norm and head in small batches, so the full logits never coexist. converted_eps: the
+    converted model's norm epsilon where it differs from the source's (latent_norm=linear).
     """
     norm_w = reader.get("model.norm.weight")
     head = reader.get("model.embed_tokens.weight" if tied else "lm_head.weight")
@@ -76,9 +78,9 @@ def heldout_metrics(h_src: torch.Tensor, h_cvt: torch.Tensor, ids: torch.Tensor,
     def batches():
         for hs, hc, t in zip(h_src.split(4), h_cvt.split(4), ids.split(4)):
             logp = []
-            for h in (hs, hc):
+            for h, e in ((hs, eps), (hc, eps if converted_eps is None else converted_eps)):
                 x = h.float()
-                x = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * norm_w
+                x = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + e) * norm_w
                 logp.append(torch.log_softmax((x[:, :-1] @ head.T).double(), -1).reshape(-1, head.shape[0]))
             yield logp[0], logp[1], t[:, 1:].reshape(-1)
 

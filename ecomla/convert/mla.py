@@ -22,9 +22,12 @@ from ecomla.convert import presets
 from ecomla.convert.metrics import heldout_metrics, kv_errors
 from ecomla.convert.plan import MLAPlan, rope_covariance, source_inv_freq
 from ecomla.convert.source import LayerRunner, rotary_embedding
+from ecomla.convert.refit import refit_values
 from ecomla.convert.to_mla import (
+    LatentObjective,
     LayerResult,
     SourceAttention,
+    attention_rotation,
     convert_attention,
     make_fitter,
     residual_rotation,
@@ -47,15 +50,20 @@ def fit_layer(plan: MLAPlan, i: int, src: SourceAttention, y: torch.Tensor | Non
     geo, layer, init = plan.geometry, plan.layers[i], plan.recipe.init
     method = init.method
     std = plan.config.initializer_range
-    fit_kv = make_fitter(method, y, init.ridge, gen, std, kv_balance=init.kv_balance)
+    fit_kv = make_fitter(method, y, init.ridge, gen, std, latent_scale=geo.latent_scale)
     fit_q = None
     if geo.q_lora_rank is not None:
         fit_q = make_fitter("svd" if method == "random" else method, y, init.ridge, gen, std)
     rope_cov = rope_covariance(geo, y, src)
     rotation = None
     if geo.residual_dim and geo.rope_residual == "latent_mean":  # the residual query rows' averaged rotation
-        rotation = residual_rotation(geo, layer.rope, source_inv_freq(plan.source), plan.rope_residual_context)
-    result = convert_attention(geo, layer.rope, src, layer.kv_lora_rank, fit_kv, fit_q, rope_cov, rotation)
+        inv_freq = source_inv_freq(plan.source)
+        if plan.recipe.mla.rope_residual_distances == "attention":
+            rotation = attention_rotation(geo, layer.rope, src, y, init.calibration.seq_len, inv_freq)
+        else:
+            rotation = residual_rotation(geo, layer.rope, inv_freq, plan.rope_residual_context)
+    objective = LatentObjective(init.objective, init.key_weight, init.kv_balance)
+    result = convert_attention(geo, layer.rope, src, layer.kv_lora_rank, fit_kv, fit_q, rope_cov, rotation, objective)
     return result, rope_cov
 
 
@@ -75,6 +83,10 @@ class MLATransform:
         self.h_fit = embed(source.reader, calib.fit) if calib is not None else None
         self.h_src = embed(source.reader, calib.heldout) if calib is not None and calib.heldout is not None else None
         self.h_cvt = self.h_src.clone() if self.h_src is not None else None
+        # init.refit: the converted model's own calibration states, and a runner that returns attention probabilities
+        self.refit = plan.recipe.init.refit != "none"
+        self.h_fit_cvt = self.h_fit.clone() if self.refit else None
+        self.refit_runner = LayerRunner(plan.config, plan.device, attn_implementation="eager") if self.refit else None
 
     def layer(self, i: int, stored: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
         plan, geo = self.plan, self.plan.geometry
@@ -83,28 +95,37 @@ class MLATransform:
         y_fit = normalized_input(self.h_fit, self.eps) if self.h_fit is not None else None
         res, rope_cov = fit_layer(plan, i, src, y_fit, self.gen)
         split = plan.layers[i].rope
-        out = {f"self_attn.{k}": v for k, v in res.tensors.items()}
-        out["input_layernorm.weight"] = torch.ones(geo.hidden)  # gain folded into the projections
+        out = {f"self_attn.{k}": v.float() for k, v in res.tensors.items()}
+        # The source gain is folded into the projections; the output's gain is geo.input_gain (1 unless linear latent)
+        out["input_layernorm.weight"] = torch.full((geo.hidden,), geo.input_gain)
         out.update({k: t[k] for k in COPIED})
-        out = {k: v.to(plan.out_dtype) for k, v in out.items()}
-
+        src_layer = self.runner.build(i, t) if (self.h_fit is not None or self.h_src is not None) else None
         entry = {"layer": i, "kv_lora_rank": plan.layers[i].kv_lora_rank,
                  "kv_weight_energy_kept": res.kv_basis.energy_kept, "rope_key_energy_kept": res.rope.energy_kept}
+        if self.refit:
+            out, refit_entry = refit_values(geo, i, out, self.runner, src_layer, self.refit_runner, self.h_fit,
+                                            self.h_fit_cvt, plan.recipe.init.refit_ridge, self.batch)
+            entry.update(refit_entry)  # the held-out K/V errors below stay those of the latent fit (res.tensors)
+        out = {k: v.to(plan.out_dtype) for k, v in out.items()}
         if res.q_basis is not None:
             entry["q_weight_energy_kept"] = res.q_basis.energy_kept
         if split.pairs is not None:
             entry["rope_pairs"] = list(split.pairs)
         if geo.rope_key != "mean":
             entry["rope_allocation"] = self._allocation_entry(src, res.rope, rope_cov)
+        converted = None
+        if self.h_src is not None or self.refit:
+            converted = self.cvt_runner.build(i, {k: v.float() for k, v in out.items()})
         if self.h_src is not None:
-            y_held = normalized_input(self.h_src, self.eps)
+            y_held = normalized_input(self.h_src, self.eps) * geo.input_gain
             k_err, v_err = kv_errors(geo, split, src, res.tensors, y_held, res.rope.head_scale, res.rope.residual)
             entry.update(heldout_key_rel_error=k_err, heldout_value_rel_error=v_err)
-            converted = self.cvt_runner.build(i, {k: v.float() for k, v in out.items()})
             self.h_cvt = self.cvt_runner.run(converted, self.h_cvt, self.batch)
-        if self.h_fit is not None or self.h_src is not None:
-            src_layer = self.runner.build(i, t)
-            if self.h_fit is not None and i + 1 < plan.shape.num_layers:
+        last = i + 1 == plan.shape.num_layers
+        if self.refit and not last:
+            self.h_fit_cvt = self.cvt_runner.run(converted, self.h_fit_cvt, self.batch)
+        if src_layer is not None:
+            if self.h_fit is not None and not last:
                 self.h_fit = self.runner.run(src_layer, self.h_fit, self.batch)
             if self.h_src is not None:
                 self.h_src = self.runner.run(src_layer, self.h_src, self.batch)
@@ -145,7 +166,7 @@ class MLATransform:
         }
         if self.h_src is not None:
             fields["heldout"] = heldout_metrics(self.h_src, self.h_cvt, plan.calibration.heldout, plan.source.reader,
-                                                plan.source.tied, self.eps)
+                                                plan.source.tied, self.eps, float(plan.config.rms_norm_eps))
         return fields
 
     def _rope_report(self) -> dict:

@@ -219,6 +219,12 @@ def _mla_plan(recipe: ConvertRecipe, source: SourceModel, d_r: int, kv_lora_rank
         splits = rope_splits(mla, shape, d_r, stats.scores)
     rope_parameters, fit = output_rope(source, d_r, splits)
     geometry = replace(geometry, kv_lora_rank=max(ranks))
+    if mla.latent_norm == "linear":
+        # The latent a·Q·y sits in kv_a_layernorm's linear regime. a is split between the input gain γ and the
+        # latent rows (a/γ)·Q so that a typical input entry (γ) and a typical row entry (a/γ/√d) are equal, which
+        # keeps both in float16's normal range.
+        a = latent.linear_latent_scale(geometry.kv_lora_rank, shape.hidden_size)
+        geometry = replace(geometry, latent_scale=a, input_gain=a ** 0.5 / shape.hidden_size ** 0.25)
     config = deepseek_config(recipe, source, geometry, rope_parameters, out_dtype)
     geometry = replace(geometry, query_scale=query_scale(shape.head_dim, config))
     if mla.rope_residual_context is not None:
@@ -295,7 +301,9 @@ def deepseek_config(recipe: ConvertRecipe, source: SourceModel, geo: MLAGeometry
         hidden_act=src.hidden_act,
         max_position_embeddings=src.max_position_embeddings,
         initializer_range=getattr(src, "initializer_range", 0.02),
-        rms_norm_eps=src.rms_norm_eps,
+        # A linear latent is scaled by kv_a_layernorm's epsilon: transformers hard-codes 1e-6 there, llama.cpp and
+        # vLLM read rms_norm_eps, so the config says 1e-6 too (the other norms barely notice: ε ≪ their mean square).
+        rms_norm_eps=latent.LATENT_NORM_EPS if geo.latent_scale != 1.0 else src.rms_norm_eps,
         tie_word_embeddings=source.tied,
         rope_parameters=rope_parameters,
         rope_interleave=geo.interleave,

@@ -28,9 +28,14 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     # CARE (ICLR 2026): SVD under the inputs' covariance (the activation fit), X-EcoMLA's RoPE layout; its
     # per-layer ranks are not used (stock DeepSeek-V3 has one kv_lora_rank).
     "care": {"init": {"method": "activation"}, "mla": {"rope_dims": "last", "rope_key": "mean"}},
-    # ecomla's best one-shot recipe on the real model so far (docs/real_model.md, the one-shot table).
-    "best": {"init": {"method": "activation"},
-             "mla": {"rope_dims": "high", "rope_key": "rorope_act", "rope_residual": "latent_mean"}},
+    # ecomla's best one-shot recipe on the real model (docs/real_model.md, the presets side by side): the
+    # RoRoPE layout, plus four levers each measured end to end against the same recipe without it: the latent
+    # fitted for what the layer's output sees (attention objective), the residual's rotation averaged over the
+    # distances attention reads, the latent kept in the norm's linear regime, and the value path refitted
+    # through the converted layer's own attention.
+    "best": {"init": {"method": "activation", "objective": "attention", "refit": "values"},
+             "mla": {"rope_dims": "high", "rope_key": "rorope_act", "rope_residual": "latent_mean",
+                     "rope_residual_distances": "attention", "latent_norm": "linear"}},
 }
 
 PRESET_NAMES = tuple(PRESETS)

@@ -118,6 +118,22 @@ class MLAConfig:
         "pair's rotation; null: init.calibration.seq_len when calibration is set, else the source's "
         "max_position_embeddings",
     )
+    rope_residual_distances: Literal["causal", "attention"] = knob(
+        "causal",
+        help="rope_residual=latent_mean: which relative distances average each pair's rotation. causal: every causal "
+        "pair of a rope_residual_context-token window alike. attention: per query head, the distances its source "
+        "attention actually reads on the calibration text (most mass near the diagonal and on the first token), so "
+        "the fast pairs a head uses locally keep their turn (needs init.calibration)",
+    )
+    latent_norm: Literal["normalize", "linear"] = knob(
+        "normalize",
+        help="How the latent meets stock DeepSeek-V3's kv_a_layernorm. normalize: the latent is an orthonormal "
+        "projection of the attention input and the norm rescales it per token, exact only at full width. linear: the "
+        "latent is scaled down until its mean square stays below 1/1000 of the norm's epsilon, where RMSNorm is a "
+        "fixed scale to within 0.05%, so the per-token rescaling disappears at every width. The output then sets "
+        "rms_norm_eps to the 1e-6 transformers hard-codes for kv_a_layernorm, so engines that read the epsilon from "
+        "the config (llama.cpp, vLLM) scale the latent the same way (docs/convert.md#the-latent-norm)",
+    )
     rope_allocation: RopeAllocation = knob(
         "fixed",
         help="fixed: rope_dims picks d_r/2 frequency pairs, each keeping its strongest head mixture. energy: the d_r/2 "
@@ -172,6 +188,29 @@ class InitConfig:
         help="Fit the latent's basis with the key rows scaled to the value rows' total energy (TransMLA's balanced "
         "K/V PCA; energy under the calibration inputs for method=activation, the weights' norm for svd); the "
         "up-projection still reproduces the unscaled keys and values",
+    )
+    objective: Literal["kv", "attention"] = knob(
+        "kv",
+        help="What the latent's basis keeps. kv: the key and value rows themselves (every method so far). attention: "
+        "what the layer's output sees of them: key rows weighted by the second moment of the query rows that read "
+        "them (score error), value rows by o_proj (output error), keys scaled by key_weight times the head's value "
+        "output energy (a score error moves the output by about that much). The up-projection still reproduces the "
+        "unweighted rows",
+    )
+    key_weight: float = knob(
+        4.0, help="objective=attention: weight of score errors against output errors (measured best near 4 on "
+        "SmolLM2-135M at 2.0x; docs/real_model.md)"
+    )
+    refit: Literal["none", "values"] = knob(
+        "none",
+        help="After each layer's fit, values: refit the value rows of kv_b_proj and o_proj by least squares so the "
+        "converted layer, reading the converted model's own calibration states through its own attention, "
+        "reproduces the source layer's attention output plus the drift the earlier converted layers left in the "
+        "residual stream. Closed form, one more pass over the calibration tokens per layer (needs init.calibration)",
+    )
+    refit_ridge: float = knob(
+        1e-2, help="refit=values: ridge on the least squares, relative to the mean eigenvalue of the features' Gram "
+        "matrix, pulling the refit toward the latent fit's own value path (so a path that is already exact stays)"
     )
     preset: presets.PresetName | None = knob(
         None,
@@ -254,10 +293,37 @@ class ConvertRecipe:
             needs.append("mla.rope_dims=norm")
         if self.mla.rope_key == "rorope_act":
             needs.append("mla.rope_key=rorope_act")
+        if self.mla.rope_residual_distances == "attention":
+            needs.append("mla.rope_residual_distances=attention")
+        if self.init.refit != "none":
+            needs.append(f"init.refit={self.init.refit}")
+        problems += self._init_problems()
         if needs and self.init.calibration is None:
             via = f" (init.preset {self.init.preset})" if self.init.preset else ""
             problems.append(f"init.calibration: {' and '.join(needs)}{via} need calibration data; set "
                             f"init.calibration.dataset")
+        return problems
+
+    def _init_problems(self) -> list[str]:
+        """Keys that only some methods or layouts read, refused where they would be ignored."""
+        init, mla, problems = self.init, self.mla, []
+        if init.key_weight <= 0:
+            problems.append(f"init.key_weight: must be > 0, got {init.key_weight}")
+        if init.refit_ridge < 0:
+            problems.append(f"init.refit_ridge: must be >= 0, got {init.refit_ridge}")
+        if init.method == "random":
+            for key, value, default in (("init.objective", init.objective, "kv"), ("init.refit", init.refit, "none"),
+                                        ("mla.latent_norm", mla.latent_norm, "normalize")):
+                if value != default:
+                    problems.append(f"{key}: {value} fits the latent, but init.method random draws it; use "
+                                    f"init.method activation or svd, or remove {key}")
+        if init.objective == "attention" and init.kv_balance:
+            problems.append("init.kv_balance: objective attention weighs keys against values itself; remove "
+                            "init.kv_balance (or use objective kv)")
+        if mla.rope_residual_distances == "attention" and (mla.rope_residual != "latent_mean" or mla.rope_key == "mean"):
+            problems.append("mla.rope_residual_distances: attention weighs the rotation that rope_residual=latent_mean "
+                            "averages, which only rorope/rorope_act keys have; set mla.rope_residual: latent_mean and "
+                            "mla.rope_key: rorope_act, or remove rope_residual_distances")
         return problems
 
     def _target_problems(self) -> list[str]:

@@ -184,9 +184,11 @@ def causal_mask(seq_len: int, dtype: torch.dtype, device: torch.device) -> torch
 class LayerRunner:
     """Runs decoder layer i of a model family on hidden states (B, T, d), loading its weights on demand."""
 
-    def __init__(self, cfg: PretrainedConfig, device: torch.device, dtype: torch.dtype = torch.float32):
+    def __init__(self, cfg: PretrainedConfig, device: torch.device, dtype: torch.dtype = torch.float32,
+                 attn_implementation: str = "sdpa"):
         cfg = copy.deepcopy(cfg)
-        cfg._attn_implementation = "sdpa"  # standalone layers get no dispatch from a model; SDPA is exact and fast
+        # Standalone layers get no dispatch from a model; SDPA is exact and fast, eager also returns the probabilities.
+        cfg._attn_implementation = attn_implementation
         self.cfg = cfg
         self.device, self.dtype = device, dtype
         self._layer_cls = getattr(family_module(cfg.model_type), f"{FAMILIES[cfg.model_type]}DecoderLayer")

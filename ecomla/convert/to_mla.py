@@ -39,6 +39,7 @@ from ecomla.mla.latent import Basis
 from ecomla.mla.rope import RopeSplit
 from ecomla.mla.rope_key import (
     RopeKey,
+    attention_distances,
     RopeResidual,
     SharedRopeKey,
     fold_rotation,
@@ -64,6 +65,8 @@ class MLAGeometry:
     rope_key: RopeKey = "mean"  # how the shared RoPE key is built from the KV heads (ecomla.mla.rope_key)
     interleave: bool = True  # output RoPE layout: interleaved pairs, or half-wise
     rope_residual: RopeResidual = "drop"  # the RoPE key part the shared key does not carry: dropped, or no-RoPE dims
+    latent_scale: float = 1.0  # a: the latent rows are a·Q for orthonormal Q (latent_norm=linear: a ≪ 1)
+    input_gain: float = 1.0  # γ: the output's input_layernorm gain; every projection reading the input is divided by it
 
     @property
     def nope_dim(self) -> int:
@@ -140,7 +143,8 @@ def query_rows(
     """
     res_rows = split.rope_rows if geo.residual_dim else split.rope_rows[:0]
     idx = _head_rows(geo.n_heads, geo.head_dim, torch.cat([split.nope_rows, res_rows, split.rope_rows]))
-    factor = torch.full((geo.n_heads, geo.qk_nope_head_dim + geo.qk_rope_head_dim), geo.query_scale, dtype=torch.float64)
+    factor = torch.full((geo.n_heads, geo.qk_nope_head_dim + geo.qk_rope_head_dim), geo.query_scale,
+                        dtype=torch.float64)
     if rope_scale is not None:
         factor[:, geo.qk_nope_head_dim :] *= rope_scale.repeat_interleave(geo.n_rep, dim=0)
     factor = factor.reshape(-1)
@@ -209,6 +213,22 @@ def residual_rotation(geo: MLAGeometry, split: RopeSplit, inv_freq: torch.Tensor
     return residual_fold(split.rope_rows, output_pairs(geo), geo.head_dim, inv_freq, weights)
 
 
+def attention_rotation(geo: MLAGeometry, split: RopeSplit, src: SourceAttention, y: torch.Tensor, seq_len: int,
+                       inv_freq: torch.Tensor) -> torch.Tensor:
+    """rope_residual_distances=attention: (n_h, d_r/2, 2, 2), each query head's residual rotation averaged over
+    the distances its source attention reads on the calibration blocks y ((N·seq_len, d), unit gain)."""
+    d_h, n = geo.head_dim, y.shape[0] // seq_len
+    per_batch = max(1, 2 ** 26 // (geo.n_heads * seq_len * seq_len))  # ≤ 256 MB of probabilities at a time
+    weights = torch.zeros(geo.n_heads, seq_len, dtype=torch.float64)
+    for start in range(0, n, per_batch):
+        yb = y[start * seq_len:(start + per_batch) * seq_len].double()
+        q = yb @ src.q_w.T + (0 if src.q_b is None else src.q_b.double())
+        k = yb @ src.k_w.T + (0 if src.k_b is None else src.k_b.double())
+        weights += attention_distances(q.view(-1, seq_len, geo.n_heads, d_h), k.view(-1, seq_len, geo.n_kv, d_h),
+                                       inv_freq, d_h ** -0.5)
+    return torch.stack([residual_fold(split.rope_rows, output_pairs(geo), d_h, inv_freq, w) for w in weights])
+
+
 def source_pair_spectra(geo: MLAGeometry, src: SourceAttention, cov: torch.Tensor | None = None) -> torch.Tensor:
     """(d_h/2, n_kv): key energy of every virtual head of every source pair (`ecomla.mla.rope_key.pair_spectra`).
 
@@ -232,9 +252,12 @@ def o_bias(geo: MLAGeometry, src: SourceAttention) -> torch.Tensor | None:
 
 
 # A fitter turns the rows a latent must reproduce into (down rows, up-projection).
-# It gets M (m, d_in), the latent's rank and its padded width, and optionally a mask of M's key rows
-# (for init.kv_balance), and returns (Basis, up (m, width)).
+# It gets M (m, d_in), the latent's rank and its padded width, and optionally the rows its basis is fitted to
+# (BasisRows: init.kv_balance, init.objective=attention), and returns (Basis, up (m, width)).
 LatentFit = Callable[..., tuple[Basis, torch.Tensor]]
+# The rows the latent's basis is fitted to, given the inputs' second moment (None for the weights-only fit):
+# M re-weighted so that the basis keeps what matters; the up-projection still reproduces M itself.
+BasisRows = Callable[[torch.Tensor | None], torch.Tensor]
 
 
 def balance_scale(M: torch.Tensor, key_rows: torch.Tensor, cov: torch.Tensor | None) -> torch.Tensor:
@@ -251,34 +274,77 @@ def balance_scale(M: torch.Tensor, key_rows: torch.Tensor, cov: torch.Tensor | N
 
 
 def make_fitter(method: str, y: torch.Tensor | None, ridge: float, gen: torch.Generator, std: float,
-                kv_balance: bool = False) -> LatentFit:
+                latent_scale: float = 1.0) -> LatentFit:
     """The latent fit of one layer (`init.method`; the math is `ecomla.mla.latent`'s).
 
     svd: the weights' top singular directions; activation: the top directions of M under the inputs'
     second moment (y: the layer's normalized inputs, (N, d)), with a ridge-fitted up-projection; random:
     the stock initializer, N(0, std), for both projections. A query bias rides as a constant-1 input
-    coordinate when M has d + 1 columns. kv_balance (with key_rows given): the basis is fitted to M with
-    its key rows scaled to the value rows' energy (`balance_scale`), the up-projection to M itself.
+    coordinate when M has d + 1 columns. basis_rows (optional, `BasisRows`): the rows the basis is
+    fitted to, the up-projection still to M itself. latent_scale a: the basis rows are a·Q (the
+    up-projection fitted to what the norm makes of them).
     """
 
-    def fit(M: torch.Tensor, rank: int, width: int, key_rows: torch.Tensor | None = None) -> tuple[Basis, torch.Tensor]:
-        balance = kv_balance and key_rows is not None
+    def fit(M: torch.Tensor, rank: int, width: int, basis_rows: BasisRows | None = None) -> tuple[Basis, torch.Tensor]:
         if method == "svd":
-            fitted = M.double() * balance_scale(M, key_rows, None)[:, None] if balance else M
-            basis = latent.weight_basis(fitted, rank)
-            return basis, pad_cols(latent.up_from_weights(M, basis.rows, width), width)
+            basis = latent.weight_basis(M if basis_rows is None else basis_rows(None), rank)
+            basis = scaled(basis, latent_scale)
+            return basis, pad_cols(latent.up_from_weights(M, basis.rows, width, latent_scale), width)
         if method == "activation":
             ya = y if y.shape[1] == M.shape[1] else torch.cat([y, torch.ones(y.shape[0], 1, dtype=y.dtype)], dim=1)
             ya = ya.double()
             cov = latent.second_moment(ya)
-            fitted = M.double() * balance_scale(M, key_rows, cov)[:, None] if balance else M
-            basis = latent.activation_basis(fitted, cov, rank)
+            basis = latent.activation_basis(M if basis_rows is None else basis_rows(cov), cov, rank)
+            basis = scaled(basis, latent_scale)
             return basis, latent.up_from_activations(M, pad_rows(basis.rows, width), ya, ridge=ridge)
         rows = torch.randn(rank, M.shape[1], generator=gen, dtype=torch.float64) * std
         up = torch.randn(M.shape[0], width, generator=gen, dtype=torch.float64) * std
         return Basis(rows=rows, spectrum=torch.zeros(0), energy_kept=float("nan")), up
 
     return fit
+
+
+def scaled(basis: Basis, a: float) -> Basis:
+    """The basis with its rows times a (latent_norm=linear)."""
+    return basis if a == 1.0 else Basis(rows=basis.rows * a, spectrum=basis.spectrum, energy_kept=basis.energy_kept)
+
+
+def balanced_rows(M: torch.Tensor, key_rows: torch.Tensor) -> BasisRows:
+    """init.kv_balance: M with its key rows scaled to the value rows' energy (`balance_scale`)."""
+    return lambda cov: M.double() * balance_scale(M, key_rows, cov)[:, None]
+
+
+def attention_rows(geo: MLAGeometry, M: torch.Tensor, q_w: torch.Tensor, o_w: torch.Tensor,
+                   key_weight: float) -> BasisRows:
+    """init.objective=attention: M's rows as the layer's output sees their errors.
+
+    M is kv_rows' layout (per query head h: qk_nope key rows K_h, then d_h value rows V_h), q_w the
+    output's query rows (per head: qk_nope rows meeting K_h, then d_r RoPE rows), o_w the source o_proj.
+    With C the inputs' second moment (identity for the weights-only fit), a score error is
+    s·q·δk (s the output's softmax scale), so key rows get A_h^½ with A_h = s²·Q_h·C·Q_hᵀ; a value error
+    reaches the output as W_o,h·δv, so value rows get (W_o,hᵀ·W_o,h)^½. A score error δ moves the output
+    by about δ times the spread of W_o,h·v over the attended tokens, so keys are also scaled by
+    (key_weight·E‖W_o,h·V_h·y‖²)^½. Any square root gives the same basis (it is fitted to the rows'
+    Gram matrix under C).
+    """
+    d, nope, d_h = M.shape[1], geo.qk_nope_head_dim, geo.head_dim
+    Mh = M.double().view(geo.n_heads, nope + d_h, d)
+    Qh = q_w.double().view(geo.n_heads, nope + geo.qk_rope_head_dim, -1)[:, :nope, :d]
+    s2 = (geo.head_dim ** -0.5 / geo.query_scale) ** 2  # the output's softmax scale, squared
+
+    def rows(cov: torch.Tensor | None) -> torch.Tensor:
+        C = torch.eye(d, dtype=torch.float64) if cov is None else cov.double()[:d, :d]
+        out = torch.empty_like(Mh)
+        for h in range(geo.n_heads):
+            K, V = Mh[h, :nope], Mh[h, nope:]
+            Wo = o_w.double()[:, h * d_h:(h + 1) * d_h]  # (d, d_h): head h's columns of o_proj
+            WoV = Wo @ V
+            value_energy = float(torch.trace(WoV @ C @ WoV.T))
+            out[h, :nope] = (key_weight * value_energy) ** 0.5 * latent.psd_sqrt(s2 * Qh[h] @ C @ Qh[h].T) @ K
+            out[h, nope:] = latent.psd_sqrt(Wo.T @ Wo) @ V
+        return out.reshape(-1, d)
+
+    return rows
 
 
 def pad_rows(rows: torch.Tensor, width: int) -> torch.Tensor:
@@ -305,6 +371,22 @@ class LayerResult:
     rope: SharedRopeKey
 
 
+@dataclass(frozen=True)
+class LatentObjective:
+    """What the key/value latent's basis keeps (`init.objective`, `init.key_weight`, `init.kv_balance`)."""
+
+    objective: str = "kv"  # kv: the rows themselves; attention: `attention_rows`
+    key_weight: float = 4.0
+    kv_balance: bool = False
+
+    def basis_rows(self, geo: MLAGeometry, M: torch.Tensor, q_w: torch.Tensor, o_w: torch.Tensor) -> BasisRows | None:
+        if self.objective == "attention":
+            return attention_rows(geo, M, q_w, o_w, self.key_weight)
+        if self.kv_balance:
+            return balanced_rows(M, key_rows(geo, geo.n_heads))
+        return None
+
+
 def convert_attention(
     geo: MLAGeometry,
     split: RopeSplit,
@@ -314,17 +396,23 @@ def convert_attention(
     fit_q: LatentFit | None,
     rope_cov: torch.Tensor | None = None,
     residual_rotation: torch.Tensor | None = None,
+    objective: LatentObjective = LatentObjective(),
 ) -> LayerResult:
     """The stock DeepSeek-V3 attention tensors of one layer, its latent of rank kv_lora_rank zero-padded to
-    geo.kv_lora_rank (residual_rotation: see `query_rows`)."""
+    geo.kv_lora_rank (residual_rotation: see `query_rows`).
+
+    Everything is fitted on the unit-gain input y; the projections that read the output's input (gain
+    geo.input_gain) are divided by that gain when written.
+    """
     out: dict[str, torch.Tensor] = {}
-    d = geo.hidden
+    d, gain = geo.hidden, geo.input_gain
 
     # Keys and values through the latent (with the residual RoPE key part, under rope_residual=latent).
     rope = rope_key(geo, split, src, rope_cov)
+    q_w, q_b = query_rows(geo, split, src, rope.head_scale, residual_rotation)
     M_kv = kv_rows(geo, split, src, repeat=True, residual=rope.residual)
-    kv_basis, kv_up = fit_kv(M_kv, kv_lora_rank, geo.kv_lora_rank, key_rows(geo, geo.n_heads))
-    out["kv_a_proj_with_mqa.weight"] = torch.cat([pad_rows(kv_basis.rows, geo.kv_lora_rank), rope.weight], dim=0)
+    kv_basis, kv_up = fit_kv(M_kv, kv_lora_rank, geo.kv_lora_rank, objective.basis_rows(geo, M_kv, q_w, src.o_w))
+    out["kv_a_proj_with_mqa.weight"] = torch.cat([pad_rows(kv_basis.rows, geo.kv_lora_rank), rope.weight], dim=0) / gain
     if geo.attention_bias:
         rope_b = rope.bias if rope.bias is not None else torch.zeros(geo.qk_rope_head_dim, dtype=torch.float64)
         out["kv_a_proj_with_mqa.bias"] = torch.cat([torch.zeros(geo.kv_lora_rank, dtype=torch.float64), rope_b])
@@ -332,18 +420,17 @@ def convert_attention(
     out["kv_b_proj.weight"] = kv_up
 
     # Queries: full, or through their own normalized latent.
-    q_w, q_b = query_rows(geo, split, src, rope.head_scale, residual_rotation)
     q_basis = None
     if geo.q_lora_rank is None:
         if q_b is not None:
             raise ValueError("a query bias needs mla.q_lora_rank (the stock full q_proj has no bias)")
-        out["q_proj.weight"] = q_w
+        out["q_proj.weight"] = q_w / gain
     else:
         assert fit_q is not None
         # With a bias, the input gains a constant coordinate 1: [y; 1], ‖·‖² = d + 1.
         M_q = q_w if q_b is None else torch.cat([q_w, q_b[:, None]], dim=1)
         q_basis, q_up = fit_q(M_q, geo.q_lora_rank, geo.q_lora_rank)
-        out["q_a_proj.weight"] = q_basis.rows[:, :d]
+        out["q_a_proj.weight"] = q_basis.rows[:, :d] / gain
         if geo.attention_bias:
             out["q_a_proj.bias"] = (
                 q_basis.rows[:, d] if q_b is not None else torch.zeros(geo.q_lora_rank, dtype=torch.float64)

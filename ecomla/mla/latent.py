@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 LATENT_NORM_EPS = 1e-6  # DeepseekV3RMSNorm's default eps, which kv_a_layernorm / q_a_layernorm use
+LINEAR_HEADROOM = 1e-3  # latent_norm=linear: the latent's mean square stays below this share of eps
 
 
 @dataclass
@@ -107,15 +108,38 @@ def rms_normalize(x: torch.Tensor, eps: float = LATENT_NORM_EPS) -> torch.Tensor
     return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
 
 
-def up_from_weights(M: torch.Tensor, rows: torch.Tensor, latent_width: int | None = None) -> torch.Tensor:
+def up_from_weights(M: torch.Tensor, rows: torch.Tensor, latent_width: int | None = None,
+                    latent_scale: float = 1.0, eps: float = LATENT_NORM_EPS) -> torch.Tensor:
     """B = M·Qᵀ·s: exact at full rank, and the isotropic-input estimate below it.
 
     When the layer's r rows sit in a wider zero-padded latent (per-layer ranks in
     one stock `kv_lora_rank`), the norm divides by the padded width, so
     E[mean(c²)] = r / width and B is scaled by s = sqrt(r / width) to match.
+    rows = a·Q with a ≠ 1 (latent_norm=linear, a = `linear_latent_scale`): the norm
+    divides by sqrt(a²·r/width + eps), so B = M·Qᵀ·sqrt(a²·r/width + eps)/a.
     """
     width = latent_width or rows.shape[0]
-    return M.double() @ rows.double().T * (rows.shape[0] / width) ** 0.5
+    if latent_scale == 1.0:
+        return M.double() @ rows.double().T * (rows.shape[0] / width) ** 0.5
+    a = latent_scale
+    return M.double() @ rows.double().T / a * ((a * a * rows.shape[0] / width + eps) ** 0.5 / a)
+
+
+def linear_latent_scale(width: int, hidden: int, eps: float = LATENT_NORM_EPS,
+                        headroom: float = LINEAR_HEADROOM) -> float:
+    """a such that c = a·Q·y keeps mean(c²) ≤ headroom·eps for every input, so RMSNorm(c) = c/sqrt(eps) within
+    headroom/2: a fixed scale, not a per-token one.
+
+    Q has orthonormal rows and ‖y‖² ≤ d (y = RMSNorm(h) without gain), so ‖c‖² ≤ a²·d and
+    mean(c²) ≤ a²·d/width over the latent's (padded) width.
+    """
+    return (headroom * eps * width / hidden) ** 0.5
+
+
+def psd_sqrt(A: torch.Tensor) -> torch.Tensor:
+    """The symmetric square root of a positive semi-definite matrix (negative eigenvalues clipped to 0)."""
+    w, U = torch.linalg.eigh(A.double())
+    return (U * w.clamp_min(0).sqrt()) @ U.T
 
 
 def up_from_activations(

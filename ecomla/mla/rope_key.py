@@ -180,6 +180,31 @@ def rotation_mean(inv_freq: torch.Tensor, weights: torch.Tensor) -> torch.Tensor
     return torch.stack([(w[:, None] * angle.cos()).sum(0), (w[:, None] * angle.sin()).sum(0)], dim=1)
 
 
+def attention_distances(q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor, scale: float) -> torch.Tensor:
+    """(n_h, T): the causal attention mass each query head puts at each distance Δ = query − key position,
+    summed over the queries of the blocks (rope_residual_distances=attention).
+
+    q (N, T, n_h, d_h), k (N, T, n_kv, d_h): pre-RoPE queries and keys in the half-wise layout (pair j
+    is dims j and j + d_h/2, turned by inv_freq[j] per position); scale: the softmax scale. GQA key
+    heads serve n_h/n_kv consecutive query heads.
+    """
+    N, T, n_h, d_h = q.shape
+    half = d_h // 2
+    angle = torch.arange(T, dtype=torch.float64)[:, None] * inv_freq.double()[None]  # (T, d_h/2)
+    cos, sin = angle.cos().repeat(1, 2).float(), angle.sin().repeat(1, 2).float()
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:  # (N, T, heads, d_h), RoPE at each position
+        turned = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos[None, :, None] + turned * sin[None, :, None]
+
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    distance = (torch.arange(T)[:, None] - torch.arange(T)[None, :])[causal]
+    qr = rotate(q.float()).transpose(1, 2)  # (N, n_h, T, d_h)
+    kr = rotate(k.float()).transpose(1, 2).repeat_interleave(n_h // k.shape[2], dim=1)
+    probs = (qr @ kr.transpose(-1, -2) * scale).masked_fill(~causal, float("-inf")).softmax(-1).sum(0)
+    return torch.stack([torch.bincount(distance, weights=probs[h][causal].double(), minlength=T) for h in range(n_h)])
+
+
 def residual_fold(
     rope_rows: torch.Tensor, pairs: list[tuple[int, int]], head_dim: int, inv_freq: torch.Tensor, weights: torch.Tensor
 ) -> torch.Tensor:

@@ -90,6 +90,36 @@ def test_a_tiny_llama_and_its_mla_conversion_run_in_llama_cpp(tmp_path, smol_tok
     assert cfg["q_lora_rank"] is None  # the exported checkpoint itself is unchanged
 
 
+@pytest.mark.slow
+def test_a_linear_latent_runs_in_llama_cpp_because_it_reads_the_configs_epsilon(tmp_path, smol_tokenizer):
+    """mla.latent_norm=linear scales the latent by kv_a_layernorm's ε, so the ε every engine uses must be the one
+    transformers hard-codes (1e-6): ecomla writes it into rms_norm_eps, which llama.cpp reads for that norm. A source
+    with ε 1e-5 converted that way gives transformers' logits in llama.cpp, f32 exactly and f16 as closely as the
+    plain latent does; with the config's ε put back to 1e-5 llama.cpp's latent is √10 off and the logits move."""
+    from ecomla.export import engine
+
+    source = make_source(tmp_path / "llama", smol_tokenizer, hidden_size=128, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-5)
+    ids = [int(i) for i in torch.randint(100, 40000, (48,), generator=torch.Generator().manual_seed(0))]
+    errors = {}
+    for norm in ("normalize", "linear"):
+        mla = tmp_path / norm
+        convert(source, mla, mla={"kv_lora_rank": 48, "qk_rope_head_dim": 16, "rope_dims": "high", "latent_norm": norm})
+        theirs = _hf_logits(mla, ids)
+        for outtype in ("f32", "f16"):
+            gguf = export_gguf(mla, tmp_path / f"{norm}-{outtype}.gguf", outtype=outtype, quiet=True)
+            ours = engine.logits(engine.load(gguf, n_ctx=128, cache="f32"), ids)
+            errors[norm, outtype] = float(np.abs(ours - theirs).max())
+    assert errors["linear", "f32"] < 2e-4, errors
+    assert errors["linear", "f16"] < 2 * errors["normalize", "f16"], errors
+    cfg = json.loads((tmp_path / "linear" / "config.json").read_text())
+    assert cfg["rms_norm_eps"] == 1e-6
+    (tmp_path / "linear" / "config.json").write_text(json.dumps({**cfg, "rms_norm_eps": 1e-5}))
+    gguf = export_gguf(tmp_path / "linear", tmp_path / "eps.gguf", outtype="f32", quiet=True)
+    moved = float(np.abs(engine.logits(engine.load(gguf, n_ctx=128, cache="f32"), ids) - theirs).max())
+    assert moved > 1.0, moved
+
+
 def test_cli_export_gguf_help_and_errors(tmp_path, capsys):
     from ecomla.cli import main
 
