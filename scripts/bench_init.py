@@ -11,6 +11,12 @@ KL(source‖converted), top-1 agreement per token, and the conversion's wall tim
 and reused on a rerun with the same settings. Writes OUT/table.md, OUT/table.json and OUT/chart.png (held-out
 perplexity against compression, one line per preset, one panel per domain). The multiple-choice task scores
 are not measured here (`ecomla eval` on a kept checkpoint gives them).
+
+    python scripts/bench_init.py --model M --out O --presets best --ablate
+
+--ablate adds, for each budget, `best` with each of its levers switched off (`presets.BEST_LEVERS`; rows
+named best-no-LEVER), so every lever is measured end to end against the same recipe without it, in the
+same run.
 """
 
 from __future__ import annotations
@@ -35,13 +41,21 @@ from ecomla.recipe.schema import load_recipe  # noqa: E402
 BUDGETS = ("128+64", "64+64", "64+32", "28+32")
 
 
-def convert(args, preset: str, r_kv: int, d_r: int, out: Path) -> dict:
+def convert(args, preset: str, r_kv: int, d_r: int, out: Path, off: dict | None = None) -> dict:
+    """One cell: `preset` at r_kv + d_r, with the keys in `off` (section -> key -> value) set over it."""
+    off = off or {}
     data = {"model": args.model, "output_dir": str(out), "dtype": "float32", "device": "cpu",
-            "mla": {"kv_lora_rank": r_kv, "qk_rope_head_dim": d_r},
+            "mla": {"kv_lora_rank": r_kv, "qk_rope_head_dim": d_r, **off.get("mla", {})},
             "init": {"preset": preset, "calibration": {"dataset": "pytext:calibration",
                                                        "num_tokens": args.calibration_tokens,
-                                                       "seq_len": args.seq_len, "heldout_tokens": 0}}}
+                                                       "seq_len": args.seq_len, "heldout_tokens": 0},
+                     **off.get("init", {})}}
     return convert_recipe(load_recipe(ConvertRecipe, data=data), force=True, progress=False)
+
+
+def ablations() -> dict[str, dict]:
+    """best-no-LEVER -> the keys that switch that lever off."""
+    return {f"best-no-{lever}": off for lever, off in presets.BEST_LEVERS.items()}
 
 
 def table(rows: list[dict], source: dict, wall: float | None) -> str:
@@ -71,20 +85,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calibration-tokens", type=int, default=16384, help="calibration tokens, every preset")
     p.add_argument("--eval-tokens", type=int, default=4096, help="held-out tokens per domain")
     p.add_argument("--seq-len", type=int, default=512, help="block length for calibration and held-out text")
+    p.add_argument("--ablate", action="store_true",
+                   help="also convert best with each of its levers switched off (rows best-no-LEVER)")
     args = p.parse_args(argv)
     t0 = time.time()
     out = Path(args.out)
     yardstick = Yardstick(args.model, args.eval_tokens, args.seq_len)
-    settings = {**run_settings(args), "presets": presets.PRESETS}
+    settings = {**run_settings(args), "presets": presets.PRESETS, "levers": presets.BEST_LEVERS}
+    variants = [(name, "best" if name.startswith("best-no-") else name, off)
+                for name, off in [(n, None) for n in args.presets] + (list(ablations().items()) if args.ablate else [])]
     cells = [(f"{name}_{r_kv}+{d_r}", {"preset": name, "budget": f"{r_kv}+{d_r}", "kv_lora_rank": r_kv,
-                                       "qk_rope_head_dim": d_r}, lambda o, n=name, r=r_kv, d=d_r: convert(args, n, r, d, o))
-             for (r_kv, d_r) in args.budgets for name in args.presets]
+                                       "qk_rope_head_dim": d_r},
+              lambda o, base=base, r=r_kv, d=d_r, off=off: convert(args, base, r, d, o, off))
+             for (r_kv, d_r) in args.budgets for name, base, off in variants]
     rows = run_cells(out, cells, yardstick, settings)
     wall = time.time() - t0
     (out / "table.json").write_text(json.dumps({"source": yardstick.source, "wall_seconds": wall, "rows": rows},
                                                indent=2) + "\n")
     (out / "table.md").write_text(table(rows, yardstick.source, wall))
-    plot(rows, yardstick.source, out / "chart.png", key="preset", names=presets.PRESET_NAMES)
+    plot(rows, yardstick.source, out / "chart.png", key="preset", names=args.presets)  # the ablations: table only
     print(table(rows, yardstick.source, wall), end="")
     print(f"wrote {out}/table.md, table.json and chart.png")
     return 0

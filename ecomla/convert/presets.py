@@ -38,6 +38,15 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
                      "rope_residual_distances": "attention", "latent_norm": "linear"}},
 }
 
+# best's own levers (docs/convert.md#the-levers-of-best), each as the keys that switch it off again: what
+# `scripts/bench_init.py --ablate` converts to measure every lever against the same recipe without it.
+BEST_LEVERS: dict[str, dict[str, dict[str, Any]]] = {
+    "objective": {"init": {"objective": "kv"}},
+    "distances": {"mla": {"rope_residual_distances": "causal"}},
+    "linear": {"mla": {"latent_norm": "normalize"}},
+    "refit": {"init": {"refit": "none"}},
+}
+
 PRESET_NAMES = tuple(PRESETS)
 PresetName = Literal[PRESET_NAMES]  # the recipe's type for init.preset: exactly the names above
 

@@ -7,8 +7,10 @@ and the wider latent of the same preset is no worse on KL; a rerun reuses every 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
-from tests.scripts.test_oneshot_table import run_small
+from tests.scripts.test_oneshot_table import ROOT, run_small
 
 
 def _run(src, out):
@@ -36,3 +38,18 @@ def test_every_preset_at_every_budget_then_a_rerun_reuses_them(source_factory, t
     assert not (tmp_path / "out" / "ckpt").exists()
     again = _run(src, tmp_path / "out")
     assert again.returncode == 0 and again.stdout.count(": reused") == len(rows)
+
+
+def test_ablate_converts_best_without_each_lever(source_factory, tmp_path):
+    from ecomla.convert.presets import BEST_LEVERS
+
+    src = source_factory("llama")
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench_init.py"), "--model", str(src), "--out", str(tmp_path / "o"),
+           "--presets", "best", "--ablate", "--budgets", "16+8", "--calibration-tokens", "1024", "--eval-tokens",
+           "512", "--seq-len", "128"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["preset"]: r for r in json.loads((tmp_path / "o" / "table.json").read_text())["rows"]}
+    assert set(rows) == {"best"} | {f"best-no-{lever}" for lever in BEST_LEVERS}
+    kl = {name: r["prose"]["kl_source_to_converted"] for name, r in rows.items()}
+    assert len(set(kl.values())) == len(kl), kl  # every lever changes the conversion
