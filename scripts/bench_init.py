@@ -13,10 +13,11 @@ perplexity against compression, one line per preset, one panel per domain). The 
 are not measured here (`ecomla eval` on a kept checkpoint gives them).
 
     python scripts/bench_init.py --model M --out O --presets best --ablate
+    python scripts/bench_init.py --model M --out O --ablate 64+32
 
---ablate adds, for each budget, `best` with each of its levers switched off (`presets.BEST_LEVERS`; rows
-named best-no-LEVER), so every lever is measured end to end against the same recipe without it, in the
-same run.
+--ablate adds, for each budget (or only for those it names), `best` with each of its levers switched off
+(`presets.BEST_LEVERS`; rows named best-no-LEVER), so every lever is measured end to end against the same
+recipe without it, in the same run.
 """
 
 from __future__ import annotations
@@ -85,19 +86,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calibration-tokens", type=int, default=16384, help="calibration tokens, every preset")
     p.add_argument("--eval-tokens", type=int, default=4096, help="held-out tokens per domain")
     p.add_argument("--seq-len", type=int, default=512, help="block length for calibration and held-out text")
-    p.add_argument("--ablate", action="store_true",
-                   help="also convert best with each of its levers switched off (rows best-no-LEVER)")
+    p.add_argument("--ablate", nargs="*", type=parse_budget, default=None, metavar="R_KV+D_R",
+                   help="also convert best with each of its levers switched off (rows best-no-LEVER), at the "
+                   "budgets given (none given: at every budget of --budgets)")
     args = p.parse_args(argv)
+    ablate = [] if args.ablate is None else (args.ablate or args.budgets)
+    unknown = [f"{r}+{d}" for r, d in ablate if (r, d) not in args.budgets]
+    if unknown:
+        p.error(f"--ablate {' '.join(unknown)}: not among --budgets; add them to --budgets")
     t0 = time.time()
     out = Path(args.out)
     yardstick = Yardstick(args.model, args.eval_tokens, args.seq_len)
     settings = {**run_settings(args), "presets": presets.PRESETS, "levers": presets.BEST_LEVERS}
-    variants = [(name, "best" if name.startswith("best-no-") else name, off)
-                for name, off in [(n, None) for n in args.presets] + (list(ablations().items()) if args.ablate else [])]
+    variants = [(name, None) for name in args.presets]
     cells = [(f"{name}_{r_kv}+{d_r}", {"preset": name, "budget": f"{r_kv}+{d_r}", "kv_lora_rank": r_kv,
                                        "qk_rope_head_dim": d_r},
-              lambda o, base=base, r=r_kv, d=d_r, off=off: convert(args, base, r, d, o, off))
-             for (r_kv, d_r) in args.budgets for name, base, off in variants]
+              lambda o, off=off, base=name.split("-no-")[0], r=r_kv, d=d_r: convert(args, base, r, d, o, off))
+             for (r_kv, d_r) in args.budgets
+             for name, off in variants + (list(ablations().items()) if (r_kv, d_r) in ablate else [])]
     rows = run_cells(out, cells, yardstick, settings)
     wall = time.time() - t0
     (out / "table.json").write_text(json.dumps({"source": yardstick.source, "wall_seconds": wall, "rows": rows},

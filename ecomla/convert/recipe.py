@@ -132,7 +132,9 @@ class MLAConfig:
         "latent is scaled down until its mean square stays below 1/1000 of the norm's epsilon, where RMSNorm is a "
         "fixed scale to within 0.05%, so the per-token rescaling disappears at every width. The output then sets "
         "rms_norm_eps to the 1e-6 transformers hard-codes for kv_a_layernorm, so engines that read the epsilon from "
-        "the config (llama.cpp, vLLM) scale the latent the same way (docs/convert.md#the-latent-norm)",
+        "the config (llama.cpp, vLLM) scale the latent the same way (docs/convert.md#the-latent-norm). Linear is for "
+        "checkpoints served without training: `ecomla distill` refuses it, since weights that small do not survive "
+        "AdamW steps",
     )
     rope_allocation: RopeAllocation = knob(
         "fixed",
@@ -198,8 +200,8 @@ class InitConfig:
         "unweighted rows",
     )
     key_weight: float = knob(
-        4.0, help="objective=attention: weight of score errors against output errors (measured best near 4 on "
-        "SmolLM2-135M at 2.0x; docs/real_model.md)"
+        1.0, help="objective=attention: weight of score errors against output errors (with best's other levers, "
+        "measured best near 1 on SmolLM2-135M at 2.0x and 0.5-1 at 4.0x; docs/convert.md#the-levers-of-best)"
     )
     refit: Literal["none", "values"] = knob(
         "none",

@@ -376,7 +376,7 @@ class LatentObjective:
     """What the key/value latent's basis keeps (`init.objective`, `init.key_weight`, `init.kv_balance`)."""
 
     objective: str = "kv"  # kv: the rows themselves; attention: `attention_rows`
-    key_weight: float = 4.0
+    key_weight: float = 1.0
     kv_balance: bool = False
 
     def basis_rows(self, geo: MLAGeometry, M: torch.Tensor, q_w: torch.Tensor, o_w: torch.Tensor) -> BasisRows | None:

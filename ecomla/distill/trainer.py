@@ -144,6 +144,9 @@ class DistillRun:
         tok_path = r.tokenizer or r.student or r.teacher.model
         if tok_path is None:
             raise TrainingError("tokenizer: set `tokenizer` (pretraining has no student checkpoint to take it from)")
+        problem = models.untrainable_student(r.student)
+        if problem:
+            raise TrainingError(problem)
         self.tokenizer = models.load_tokenizer(tok_path)
         self.tokenizer_dir = Path(tok_path) if Path(tok_path).is_dir() else None
         T = r.data.seq_len

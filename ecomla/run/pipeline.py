@@ -133,6 +133,12 @@ def plan(recipe: RunRecipe) -> list[Stage]:
         for init in recipe.inits:
             for teacher in recipe.teachers_for(init):
                 src = converted[ratio, init]
+                if src.recipe.mla.latent_norm == "linear":
+                    from ecomla.distill.models import LINEAR_LATENT_UNTRAINABLE
+
+                    where = "convert" if ratio not in recipe.convert_by_ratio else f"convert (at {ratio}x)"
+                    raise RecipeError([f"{where}.mla.latent_norm: {src.label} is distilled, but "
+                                       + LINEAR_LATENT_UNTRAINABLE])
                 label = f"distill-{format_ratio(ratio)}-{init}-{teacher}"
                 cache = caches.get(teacher)
                 teacher_keys = {"model": recipe.teachers[teacher]}

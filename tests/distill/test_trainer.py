@@ -250,3 +250,16 @@ def test_prepared_shards_train_like_in_memory_data(world, tmp_path):
     assert [x["loss"] for x in w.metrics(tmp_path / "named")] == [x["loss"] for x in w.metrics(prep_out)]
     for a, b in zip(w.metrics(mem_out), w.metrics(prep_out)):
         assert a["data"] == b["data"] and a["loss"] == pytest.approx(b["loss"], rel=1e-6)
+
+
+def test_a_linear_latent_student_is_refused_before_compute(world, tmp_path):
+    from tests.convert.helpers import convert
+
+    student = tmp_path / "linear"
+    convert(world["root"] / "base", student, mla={"kv_lora_rank": 16, "qk_rope_head_dim": 8, "latent_norm": "linear"})
+    r = w.recipe(world, tmp_path / "run")
+    r["student"] = str(student)
+    proc = w.run(w.write_recipe(tmp_path / "r.yaml", r))
+    assert proc.returncode == 2, w.errors(proc)
+    assert "mla.latent_norm: linear" in proc.stderr and "latent_norm=normalize" in proc.stderr, w.errors(proc)
+    assert not (tmp_path / "run" / "checkpoints").exists()

@@ -202,3 +202,12 @@ def test_an_interrupted_distillation_resumes(world, tmp_path, capsys):
     assert "resumed from" in log
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert steps[-1] == 8 and len(steps) < 8 + 3  # continued from a checkpoint, not from step 0
+
+
+def test_a_distilled_linear_latent_is_refused_at_plan_time(world, tmp_path):
+    r = run_recipe(world, tmp_path / "run", inits=["svd"],
+                   convert={"mla": {"qk_rope_head_dim": 8}, "dtype": "float32", "device": "cpu"},
+                   convert_by_ratio={4.0: {"mla": {"latent_norm": "linear"}}})
+    with pytest.raises(RecipeError, match=r"convert \(at 4.0x\)\.mla\.latent_norm: convert-4x-svd is distilled"):
+        plan(r)
+    assert not (tmp_path / "run").exists()

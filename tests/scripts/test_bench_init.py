@@ -53,3 +53,12 @@ def test_ablate_converts_best_without_each_lever(source_factory, tmp_path):
     assert set(rows) == {"best"} | {f"best-no-{lever}" for lever in BEST_LEVERS}
     kl = {name: r["prose"]["kl_source_to_converted"] for name, r in rows.items()}
     assert len(set(kl.values())) == len(kl), kl  # every lever changes the conversion
+
+
+def test_ablate_refuses_a_budget_the_run_does_not_convert(tmp_path):
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench_init.py"), "--model", str(tmp_path / "none"), "--out",
+           str(tmp_path / "o"), "--budgets", "16+8", "--ablate", "12+8"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 2
+    assert "--ablate 12+8: not among --budgets" in proc.stderr
+    assert not (tmp_path / "o").exists()
