@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ecomla.convert.recipe import LINEAR_LATENT_UNTRAINABLE, linear_latent
 from ecomla.mla.budget import format_ratio
 
 
@@ -64,10 +65,8 @@ def mla_lines(report: dict) -> list[str]:
             f"{held['converted_perplexity']:.3f} (converted); KL {held['kl_source_to_converted']:.4f}; "
             f"top-1 agreement {held['top1_agreement']:.1%}"
         )
-    if ((report.get("recipe") or {}).get("mla") or {}).get("latent_norm") == "linear":
-        lines.append("  note: mla.latent_norm linear: serve or evaluate this checkpoint as is; `ecomla distill` refuses "
-                     "it (AdamW steps destroy a latent this small), so convert a student you will distill with "
-                     "--set mla.latent_norm=normalize")
+    if linear_latent(report):
+        lines.append(f"  note: {LINEAR_LATENT_UNTRAINABLE}")
     lines.append(f"  took {report['seconds']:.1f}s; report: {report['output_dir']}/conversion_report.json")
     return lines
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from ecomla.convert.recipe import LINEAR_LATENT_UNTRAINABLE, linear_latent
 from ecomla.errors import UserError
 from ecomla.io.checkpoint import TOKENIZER_FILES, resolve_model_dir
 
@@ -59,28 +60,17 @@ def check_pair(student_cfg, teacher_cfg, student_tok, teacher_tok) -> list[str]:
     return problems
 
 
-LINEAR_LATENT_UNTRAINABLE = (
-    "mla.latent_norm: linear keeps the latent at about 1e-3 of its natural scale, inside kv_a_layernorm's epsilon, "
-    "through input_layernorm and kv_a_proj_with_mqa weights of that size; AdamW moves every weight by about the "
-    "learning rate per step, so the first steps destroy it (SmolLM2 at 2.0x: KD loss 0.32 before one step at lr "
-    "1e-4, 13.6 after it). Convert a student you will distill with mla.latent_norm: normalize (e.g. "
-    "--set mla.latent_norm=normalize); linear is for conversions served without training"
-)
-
-
 def untrainable_student(path: str | None) -> str | None:
     """Why an `ecomla convert` output cannot be trained, from its conversion report (None: it can, or it is
     not one of ours)."""
-    report = Path(path).expanduser() / "conversion_report.json" if path else None
-    if report is None or not report.is_file():  # a hub name or another tool's checkpoint
+    file = Path(path).expanduser() / "conversion_report.json" if path else None
+    if file is None or not file.is_file():  # a hub name or another tool's checkpoint
         return None
     try:
-        recipe = json.loads(report.read_text()).get("recipe") or {}
+        report = json.loads(file.read_text())
     except (OSError, ValueError):
         return None
-    if (recipe.get("mla") or {}).get("latent_norm") == "linear":
-        return f"student {path}: {LINEAR_LATENT_UNTRAINABLE}"
-    return None
+    return f"student {path}: {LINEAR_LATENT_UNTRAINABLE}" if linear_latent(report) else None
 
 
 def stage_groups(names: Sequence[str], stages: Sequence[Sequence[str]]) -> list[int | None]:

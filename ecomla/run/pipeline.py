@@ -94,7 +94,7 @@ def _cache_inputs(sub) -> dict:
 
 def plan(recipe: RunRecipe) -> list[Stage]:
     """Every convert and distill stage, resolved and keyed; recipe problems raise before anything runs."""
-    from ecomla.convert.recipe import ConvertRecipe
+    from ecomla.convert.recipe import LINEAR_LATENT_UNTRAINABLE, ConvertRecipe
     from ecomla.distill.recipe import DistillRecipe
 
     out = Path(recipe.output_dir) / "stages"
@@ -134,8 +134,6 @@ def plan(recipe: RunRecipe) -> list[Stage]:
             for teacher in recipe.teachers_for(init):
                 src = converted[ratio, init]
                 if src.recipe.mla.latent_norm == "linear":
-                    from ecomla.distill.models import LINEAR_LATENT_UNTRAINABLE
-
                     where = "convert" if ratio not in recipe.convert_by_ratio else f"convert (at {ratio}x)"
                     raise RecipeError([f"{where}.mla.latent_norm: {src.label} is distilled, but "
                                        + LINEAR_LATENT_UNTRAINABLE])
