@@ -220,11 +220,10 @@ def _mla_plan(recipe: ConvertRecipe, source: SourceModel, d_r: int, kv_lora_rank
     rope_parameters, fit = output_rope(source, d_r, splits)
     geometry = replace(geometry, kv_lora_rank=max(ranks))
     if mla.latent_norm == "linear":
-        # The latent a·Q·y sits in kv_a_layernorm's linear regime. a is split between the input gain γ and the
-        # latent rows (a/γ)·Q so that a typical input entry (γ) and a typical row entry (a/γ/√d) are equal, which
-        # keeps both in float16's normal range.
-        a = latent.linear_latent_scale(geometry.kv_lora_rank, shape.hidden_size)
-        geometry = replace(geometry, latent_scale=a, input_gain=a ** 0.5 / shape.hidden_size ** 0.25)
+        # The latent a·Q·y sits in kv_a_layernorm's linear regime; a is split between the input gain γ and the
+        # latent rows (latent.linear_input_gain).
+        geometry = replace(geometry, latent_scale=latent.linear_latent_scale(geometry.kv_lora_rank, shape.hidden_size),
+                           input_gain=latent.linear_input_gain(geometry.kv_lora_rank, shape.hidden_size))
     config = deepseek_config(recipe, source, geometry, rope_parameters, out_dtype)
     geometry = replace(geometry, query_scale=query_scale(shape.head_dim, config))
     if mla.rope_residual_context is not None:

@@ -20,12 +20,12 @@ from ecomla.recipe.schema import knob
 
 # Why a linear latent (mla.latent_norm: linear) is for checkpoints served without training; `ecomla convert`
 # prints it, `ecomla distill` and `ecomla run` refuse with it (docs/convert.md#the-levers-of-best).
-LINEAR_LATENT_UNTRAINABLE = (
-    "mla.latent_norm: linear keeps the latent at about 1e-3 of its natural scale, inside kv_a_layernorm's epsilon, "
-    "through input_layernorm and kv_a_proj_with_mqa weights of that size; AdamW moves every weight by about the "
-    "learning rate per step, so the first steps destroy it (SmolLM2 at 2.0x: KD loss 0.32 before one step at lr "
-    "1e-4, 13.6 after it). Convert a student you will distill with mla.latent_norm: normalize (e.g. "
-    "--set mla.latent_norm=normalize); linear is for conversions served without training"
+LINEAR_LATENT_LORA = (
+    "mla.latent_norm: linear keeps the latent at about 1e-5 of its natural scale, inside kv_a_layernorm's epsilon, "
+    "through input_layernorm and kv_a_proj_with_mqa weights of about 1e-3, and query rows stored x1/gain. Full and "
+    "staged training give those tensors their own AdamW groups (lr, eps and weight decay scaled, the latent rows "
+    "frozen), but LoRA adapters on them would train at the wrong scale. Distill it with train.mode: full or stages, "
+    "or convert with mla.latent_norm: normalize (e.g. --set mla.latent_norm=normalize)"
 )
 
 

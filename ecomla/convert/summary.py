@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ecomla.convert.recipe import LINEAR_LATENT_UNTRAINABLE, linear_latent
+from ecomla.convert.recipe import LINEAR_LATENT_LORA, linear_latent
 from ecomla.mla.budget import format_ratio
 
 
@@ -66,7 +66,7 @@ def mla_lines(report: dict) -> list[str]:
             f"top-1 agreement {held['top1_agreement']:.1%}"
         )
     if linear_latent(report):
-        lines.append(f"  note: {LINEAR_LATENT_UNTRAINABLE}")
+        lines.append(f"  note: {LINEAR_LATENT_LORA}")
     lines.append(f"  took {report['seconds']:.1f}s; report: {report['output_dir']}/conversion_report.json")
     return lines
 

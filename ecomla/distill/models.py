@@ -11,14 +11,16 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from ecomla.convert.recipe import LINEAR_LATENT_UNTRAINABLE, linear_latent
+from ecomla.convert.recipe import LINEAR_LATENT_LORA, linear_latent
 from ecomla.errors import UserError
 from ecomla.io.checkpoint import TOKENIZER_FILES, resolve_model_dir
+from ecomla.mla import latent
 
 
 class ModelSetupError(UserError, ValueError):
@@ -60,17 +62,83 @@ def check_pair(student_cfg, teacher_cfg, student_tok, teacher_tok) -> list[str]:
     return problems
 
 
-def untrainable_student(path: str | None) -> str | None:
-    """Why an `ecomla convert` output cannot be trained, from its conversion report (None: it can, or it is
-    not one of ours)."""
+def _conversion_report(path: str | None) -> dict | None:
+    """An `ecomla convert` output's conversion report (None: a hub name or another tool's checkpoint)."""
     file = Path(path).expanduser() / "conversion_report.json" if path else None
-    if file is None or not file.is_file():  # a hub name or another tool's checkpoint
+    if file is None or not file.is_file():
         return None
     try:
-        report = json.loads(file.read_text())
+        return json.loads(file.read_text())
     except (OSError, ValueError):
         return None
-    return f"student {path}: {LINEAR_LATENT_UNTRAINABLE}" if linear_latent(report) else None
+
+
+def untrainable_student(path: str | None, mode: str) -> str | None:
+    """Why an `ecomla convert` output cannot be trained in train.mode `mode` (None: it can)."""
+    report = _conversion_report(path)
+    if report is not None and linear_latent(report) and mode == "lora":
+        return f"student {path}: {LINEAR_LATENT_LORA}"
+    return None
+
+
+@dataclass(frozen=True)
+class StoredScale:
+    """A parameter stored at `scale` × its natural size, whose first `frozen_rows` rows never train."""
+
+    scale: float
+    frozen_rows: int = 0
+
+
+def stored_scales(path: str | None, config) -> dict[str, StoredScale]:
+    """The parameters of a linear-latent student (its conversion report says `mla.latent_norm: linear`) that
+    are stored off their natural scale, by name; empty for any other model.
+
+    The latent's scale a ≈ 1e-5 is split between the input gain γ (input_layernorm, ≈ 1e-3) and the latent
+    rows of kv_a_proj_with_mqa, and the query and RoPE-key rows, which read the same input, are stored ×1/γ.
+    AdamW moves an entry by about lr per step whatever its size, so the trainer gives each such tensor
+    lr·s, eps/s and weight_decay/s: AdamW on s·w is then AdamW on w itself. The latent rows (stored at γ, in
+    the same tensor as the RoPE-key rows at 1/γ) cannot share one scale, so they are frozen: the fitted
+    latent basis stays, and kv_b_proj learns on top of it.
+    """
+    report = _conversion_report(path)
+    if report is None or not linear_latent(report):
+        return {}
+    gain = latent.linear_input_gain(config.kv_lora_rank, config.hidden_size)
+    query = "q_a_proj" if getattr(config, "q_lora_rank", None) else "q_proj"
+    scales = {}
+    for i in range(config.num_hidden_layers):
+        layer = f"model.layers.{i}."
+        scales[layer + "input_layernorm.weight"] = StoredScale(gain)
+        scales[layer + f"self_attn.{query}.weight"] = StoredScale(1 / gain)
+        scales[layer + "self_attn.kv_a_proj_with_mqa.weight"] = StoredScale(1 / gain, frozen_rows=config.kv_lora_rank)
+    return scales
+
+
+def freeze_rows(param: torch.nn.Parameter, rows: int) -> None:
+    """Zero the gradient of `param`'s first `rows` rows in backward, so AdamW leaves them where they are."""
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        grad[:rows] = 0
+        return grad
+
+    param.register_hook(hook)
+
+
+def adamw_groups(params: Sequence[torch.nn.Parameter], names: Sequence[str], stage_of: Sequence[int],
+                 scales: dict[str, StoredScale], weight_decay: float, eps: float = 1e-8) -> list[dict]:
+    """AdamW parameter groups, one per (first stage, stored scale), each with its `first_stage` and `lr_scale`.
+
+    A group of parameters stored at scale s gets eps/s and weight_decay/s (its lr is multiplied by s each step),
+    so its updates are those of the same parameters at their natural size.
+    """
+    keys = [(g, scales[n].scale if n in scales else 1.0) for n, g in zip(names, stage_of)]
+    groups = []
+    for first, s in sorted({k for k in keys if k[0] is not None}):
+        members = [p for p, k in zip(params, keys) if k == (first, s)]
+        groups.append({"params": members, "first_stage": first, "lr_scale": s, "eps": eps / s,
+                       "weight_decay": weight_decay / s})
+    return groups
 
 
 def stage_groups(names: Sequence[str], stages: Sequence[Sequence[str]]) -> list[int | None]:

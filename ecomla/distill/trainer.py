@@ -126,8 +126,9 @@ def batch_loss(student, teacher, batch: dict, indices: list[int], spec: LossConf
 class DistillRun:
     """One training run of a recipe: `setup()`, then `train()`, which checkpoints and exports."""
 
-    def __init__(self, recipe: DistillRecipe, *, force: bool = False, progress: bool = True):
+    def __init__(self, recipe: DistillRecipe, *, force: bool = False, progress: bool = True, on_step=None):
         self.recipe = recipe
+        self.on_step = on_step  # on_step(steps_done, student) after every optimizer step, e.g. to measure it
         self.force = force
         self.progress = progress
         self.out = Path(recipe.output_dir)
@@ -144,7 +145,7 @@ class DistillRun:
         tok_path = r.tokenizer or r.student or r.teacher.model
         if tok_path is None:
             raise TrainingError("tokenizer: set `tokenizer` (pretraining has no student checkpoint to take it from)")
-        problem = models.untrainable_student(r.student)
+        problem = models.untrainable_student(r.student, r.train.mode)
         if problem:
             raise TrainingError(problem)
         self.tokenizer = models.load_tokenizer(tok_path)
@@ -216,12 +217,17 @@ class DistillRun:
         else:
             stage_of = [0] * len(names)
             self.stage_bounds = np.array([1.0])
-        groups = [{"params": [p for p, g in zip(params, stage_of) if g == k], "first_stage": k}
-                  for k in range(len(self.stage_bounds))]
-        groups = [g for g in groups if g["params"]]
-        opt = torch.optim.AdamW([{"params": g["params"]} for g in groups], lr=r.train.lr,
-                                betas=tuple(r.train.betas), weight_decay=r.train.weight_decay)
+        # A linear-latent student stores some tensors off their natural scale: each gets its own group (and the
+        # latent rows are frozen), so AdamW trains it as it would the same model at natural scale.
+        scales = models.stored_scales(r.student, student.config) if r.train.mode != "lora" else {}
+        for name, p in zip(names, params):
+            if name in scales and scales[name].frozen_rows and p.requires_grad:
+                models.freeze_rows(p, scales[name].frozen_rows)
+        groups = models.adamw_groups(params, names, stage_of, scales, r.train.weight_decay)
+        opt = torch.optim.AdamW([{k: g[k] for k in ("params", "eps", "weight_decay")} for g in groups],
+                                lr=r.train.lr, betas=tuple(r.train.betas))
         self.group_first_stage = [g["first_stage"] for g in groups]
+        self.group_lr_scale = [g["lr_scale"] for g in groups]
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=student, optimizer=opt, config=self.ds_config)
         if teacher_model is not None:
             if r.deepspeed.zero_stage == 3:
@@ -241,8 +247,8 @@ class DistillRun:
         t = self.recipe.train
         lr = lr_at(step, self.total_steps, t.lr, t.warmup_ratio, t.min_lr_ratio)
         stage = self.stage_at(step)
-        for group, first in zip(self.optimizer.param_groups, self.group_first_stage):
-            group["lr"] = lr if first <= stage else 0.0
+        for group, first, scale in zip(self.optimizer.param_groups, self.group_first_stage, self.group_lr_scale):
+            group["lr"] = lr * scale if first <= stage else 0.0
         return lr
 
     def _loss_sums(self, batch: dict, indices: list[int], teacher=None, spec: LossConfig | None = None):
@@ -300,6 +306,8 @@ class DistillRun:
             if self._due(step, r.log.eval_every_steps) and self.eval_data is not None:
                 last.update(self.evaluate())
             logger.log(last, metrics_path)
+            if self.on_step is not None:
+                self.on_step(step + 1, self.student)
             bar.set_postfix(loss=f"{total:.4f}", tok_s=f"{last['tokens_per_s']:.0f}")
             bar.update(1)
             if self._due(step, r.checkpoint.every_steps) and step + 1 < self.total_steps:

@@ -136,6 +136,13 @@ def linear_latent_scale(width: int, hidden: int, eps: float = LATENT_NORM_EPS,
     return (headroom * eps * width / hidden) ** 0.5
 
 
+def linear_input_gain(width: int, hidden: int) -> float:
+    """γ, the input_layernorm gain of a linear-latent layer: a = `linear_latent_scale` is split between γ and the
+    latent rows (a/γ)·Q so that a typical input entry (γ) and a typical row entry (a/γ/√d) are equal, which
+    keeps both in float16's normal range. Every projection that reads the input is stored divided by γ."""
+    return linear_latent_scale(width, hidden) ** 0.5 / hidden ** 0.25
+
+
 def psd_sqrt(A: torch.Tensor) -> torch.Tensor:
     """The symmetric square root of a positive semi-definite matrix (negative eigenvalues clipped to 0)."""
     w, U = torch.linalg.eigh(A.double())

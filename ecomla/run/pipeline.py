@@ -94,7 +94,7 @@ def _cache_inputs(sub) -> dict:
 
 def plan(recipe: RunRecipe) -> list[Stage]:
     """Every convert and distill stage, resolved and keyed; recipe problems raise before anything runs."""
-    from ecomla.convert.recipe import LINEAR_LATENT_UNTRAINABLE, ConvertRecipe
+    from ecomla.convert.recipe import LINEAR_LATENT_LORA, ConvertRecipe
     from ecomla.distill.recipe import DistillRecipe
 
     out = Path(recipe.output_dir) / "stages"
@@ -133,10 +133,6 @@ def plan(recipe: RunRecipe) -> list[Stage]:
         for init in recipe.inits:
             for teacher in recipe.teachers_for(init):
                 src = converted[ratio, init]
-                if src.recipe.mla.latent_norm == "linear":
-                    where = "convert" if ratio not in recipe.convert_by_ratio else f"convert (at {ratio}x)"
-                    raise RecipeError([f"{where}.mla.latent_norm: {src.label} is distilled, but "
-                                       + LINEAR_LATENT_UNTRAINABLE])
                 label = f"distill-{format_ratio(ratio)}-{init}-{teacher}"
                 cache = caches.get(teacher)
                 teacher_keys = {"model": recipe.teachers[teacher]}
@@ -144,6 +140,10 @@ def plan(recipe: RunRecipe) -> list[Stage]:
                     teacher_keys["cache_dir"] = str(cache.model_dir)
                 fills = {"student": str(src.model_dir), "teacher": teacher_keys, "output_dir": ""}
                 sub = _sub_recipe(DistillRecipe, "distill", recipe.distill, fills)
+                if src.recipe.mla.latent_norm == "linear" and sub.train.mode == "lora":
+                    where = "convert" if ratio not in recipe.convert_by_ratio else f"convert (at {ratio}x)"
+                    raise RecipeError([f"{where}.mla.latent_norm: {src.label} is distilled with LoRA, but "
+                                       + LINEAR_LATENT_LORA])
                 as_dict = recipe_to_dict(sub)
                 as_dict.pop("student")
                 as_dict["teacher"].pop("cache_dir")  # a path under output_dir; the cache's key stands for it

@@ -140,27 +140,61 @@ def test_lever_keys_are_refused_where_they_would_be_ignored(source_factory, tmp_
     assert not (tmp_path / "out").exists()
 
 
-def test_one_adamw_step_breaks_the_linear_latent(source_factory, tmp_path):
-    """Why a linear-latent student is refused by `ecomla distill`: its latent lives at about 1e-3 of its
-    natural scale through weights that small, and AdamW moves each weight by about lr per step whatever its
-    scale. One step at lr 1e-4 on the converted model's own next-token loss moves the linear latent's logits
-    far more than the normalized latent's (SmolLM2 at 2.0×: KD loss 0.32 before one step, 13.6 after)."""
+def test_one_adamw_step_breaks_a_linear_latent_unless_its_tensors_are_scaled(source_factory, tmp_path):
+    """A linear latent lives at about 1e-5 of its natural scale, through weights of about 1e-3 (and query
+    rows stored x1/gain), and plain AdamW moves each weight by about lr per step whatever its size. One step at
+    lr 1e-4 on the converted model's own next-token loss moves the linear latent's logits far more than the
+    normalized latent's (SmolLM2 at 2.0x: KD loss 0.32 before one step, 13.6 after). The trainer's groups
+    (lr·s, eps/s for a tensor stored at s, the latent rows frozen) make its step as small as the normalized one."""
+    from ecomla.distill import models
+
     src = source_factory("llama", max_position_embeddings=256)
     ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
     moved = {}
-    for latent_norm in ("normalize", "linear"):
+    for case, latent_norm in (("normalize", "normalize"), ("linear", "linear"), ("linear, scaled", "linear")):
         out = tmp_path / latent_norm
-        convert(src, out, mla={"kv_lora_rank": 16, "qk_rope_head_dim": 8, "latent_norm": latent_norm},
-                init={"method": "svd"})
+        if not out.exists():
+            convert(src, out, mla={"kv_lora_rank": 16, "qk_rope_head_dim": 8, "latent_norm": latent_norm},
+                    init={"method": "svd"})
         model = load(out)
         torch.manual_seed(0)
         with torch.no_grad():
             before = model(ids).logits
         model.train()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
+        if case == "linear, scaled":
+            names, params = zip(*model.named_parameters())
+            scales = models.stored_scales(str(out), model.config)
+            assert scales and all(n in names for n in scales)
+            for n, p in zip(names, params):
+                if n in scales and scales[n].frozen_rows:
+                    models.freeze_rows(p, scales[n].frozen_rows)
+            groups = models.adamw_groups(params, names, [0] * len(names), scales, 0.0)
+            for g in groups:
+                g["lr"] = 1e-4 * g.pop("lr_scale")
+                g.pop("first_stage")
+            opt = torch.optim.AdamW(groups, lr=1e-4)
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
         model(ids, labels=ids).loss.backward()
         opt.step()
         model.eval()
         with torch.no_grad():
-            moved[latent_norm] = (model(ids).logits - before).abs().max().item()
+            moved[case] = (model(ids).logits - before).abs().max().item()
     assert moved["linear"] > 5 * moved["normalize"], moved  # measured: 2.69 against 0.24
+    assert moved["linear, scaled"] < 2 * moved["normalize"], moved
+
+
+def test_stored_scales_match_the_converted_weights(source_factory, tmp_path):
+    """The gain the trainer scales by is the one the converter wrote into input_layernorm."""
+    from ecomla.distill import models
+
+    src = source_factory("llama", max_position_embeddings=256)
+    convert(src, tmp_path / "m", mla={"kv_lora_rank": 16, "qk_rope_head_dim": 8, "latent_norm": "linear"},
+            init={"method": "svd"})
+    model = load(tmp_path / "m")
+    weights = dict(model.named_parameters())
+    for name, s in models.stored_scales(str(tmp_path / "m"), model.config).items():
+        if name.endswith("input_layernorm.weight"):
+            torch.testing.assert_close(weights[name], torch.full_like(weights[name], s.scale))
+    convert(src, tmp_path / "n", mla={"kv_lora_rank": 16, "qk_rope_head_dim": 8}, init={"method": "svd"})
+    assert models.stored_scales(str(tmp_path / "n"), load(tmp_path / "n").config) == {}

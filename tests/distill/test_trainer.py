@@ -252,7 +252,12 @@ def test_prepared_shards_train_like_in_memory_data(world, tmp_path):
         assert a["data"] == b["data"] and a["loss"] == pytest.approx(b["loss"], rel=1e-6)
 
 
-def test_a_linear_latent_student_is_refused_before_compute(world, tmp_path):
+def test_a_linear_latent_student_trains_in_full_mode_and_is_refused_under_lora(world, tmp_path):
+    """A linear-latent student (weights of ~1e-3 carry its latent's scale): full training gives those tensors
+    scaled AdamW groups and freezes the latent rows, so its KD loss falls like any student's and the latent
+    basis stays as fitted; LoRA would train adapters at the wrong scale, so it is refused before compute."""
+    from safetensors.torch import load_file
+
     from tests.convert.helpers import convert
 
     student = tmp_path / "linear"
@@ -260,6 +265,17 @@ def test_a_linear_latent_student_is_refused_before_compute(world, tmp_path):
     r = w.recipe(world, tmp_path / "run")
     r["student"] = str(student)
     proc = w.run(w.write_recipe(tmp_path / "r.yaml", r))
+    assert proc.returncode == 0, w.errors(proc)
+    ok, losses = _falls(w.metrics(tmp_path / "run"))
+    assert ok, losses
+    before, after = load_file(student / "model.safetensors"), load_file(tmp_path / "run" / "final" / "model.safetensors")
+    kv_a = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"
+    assert torch.equal(before[kv_a][:16], after[kv_a][:16])  # the latent rows: frozen
+    assert not torch.equal(before[kv_a][16:], after[kv_a][16:])  # the RoPE-key rows: trained
+
+    r = w.recipe(world, tmp_path / "lora", train={"mode": "lora"})
+    r["student"] = str(student)
+    proc = w.run(w.write_recipe(tmp_path / "lora.yaml", r))
     assert proc.returncode == 2, w.errors(proc)
-    assert "mla.latent_norm: linear" in proc.stderr and "latent_norm=normalize" in proc.stderr, w.errors(proc)
-    assert not (tmp_path / "run" / "checkpoints").exists()
+    assert "mla.latent_norm: linear" in proc.stderr and "train.mode: full" in proc.stderr, w.errors(proc)
+    assert not (tmp_path / "lora" / "checkpoints").exists()

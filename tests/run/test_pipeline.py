@@ -204,10 +204,12 @@ def test_an_interrupted_distillation_resumes(world, tmp_path, capsys):
     assert steps[-1] == 8 and len(steps) < 8 + 3  # continued from a checkpoint, not from step 0
 
 
-def test_a_distilled_linear_latent_is_refused_at_plan_time(world, tmp_path):
-    r = run_recipe(world, tmp_path / "run", inits=["svd"],
-                   convert={"mla": {"qk_rope_head_dim": 8}, "dtype": "float32", "device": "cpu"},
-                   convert_by_ratio={4.0: {"mla": {"latent_norm": "linear"}}})
-    with pytest.raises(RecipeError, match=r"convert \(at 4.0x\)\.mla\.latent_norm: convert-4x-svd is distilled"):
+def test_a_linear_latent_distilled_with_lora_is_refused_at_plan_time(world, tmp_path):
+    kw = dict(inits=["svd"], convert={"mla": {"qk_rope_head_dim": 8}, "dtype": "float32", "device": "cpu"},
+              convert_by_ratio={4.0: {"mla": {"latent_norm": "linear"}}})
+    assert any(s.kind == "distill" for s in plan(run_recipe(world, tmp_path / "full", **kw)))  # full training: fine
+    r = run_recipe(world, tmp_path / "run", **kw)
+    r.distill["train"]["mode"] = "lora"
+    with pytest.raises(RecipeError, match=r"convert \(at 4.0x\)\.mla\.latent_norm: convert-4x-svd is distilled with LoRA"):
         plan(r)
     assert not (tmp_path / "run").exists()
