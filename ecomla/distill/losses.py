@@ -179,16 +179,18 @@ def _divergence(kind: KDLoss, log_p: Tensor, log_q: Tensor, mix: float) -> Tenso
     raise ValueError(f"no divergence for kind={kind.value}")
 
 
-def kd_per_token(student_logits: Tensor, teacher: TeacherDist, spec: LossConfig) -> Tensor:
+def kd_per_token(student_logits: Tensor, teacher: TeacherDist, spec: LossConfig,
+                 log_q: Tensor | None = None) -> Tensor:
     """KD divergence per token, already multiplied by T²: (N, V) logits -> (N,) float32.
 
     Zeros when spec.kind is NONE. A sparse teacher is compared on k+1 buckets
-    (see the module docstring).
+    (see the module docstring). `log_q`: the student's log-softmax at T, when the caller has it.
     """
     n, v = student_logits.shape
     if spec.kind is KDLoss.NONE:
         return student_logits.new_zeros(n, dtype=torch.float32)
-    log_q = torch.log_softmax(student_logits.float() / spec.temperature, dim=-1)  # (N, V)
+    if log_q is None:
+        log_q = torch.log_softmax(student_logits.float() / spec.temperature, dim=-1)  # (N, V)
     if teacher.is_dense:
         log_p = teacher.logp.float()  # (N, V)
         if log_p.shape != log_q.shape:
@@ -227,13 +229,24 @@ def token_loss(
     """
     if teacher is None and spec.uses_teacher:
         raise ValueError(f"kind={spec.kind.value} with kd_weight={spec.kd_weight} needs a teacher, got None")
-    with torch.set_grad_enabled(torch.is_grad_enabled() and spec.ce_weight > 0):
-        ce = ce_per_token(student_logits, targets)
-    if teacher is None:
-        kd = torch.zeros_like(ce)
-    else:
+    if teacher is not None and spec.kind is not KDLoss.NONE and spec.temperature == 1.0:
+        # One log-softmax over the (N, V) logits serves both terms: CE at T = 1 is −log q of the target. A
+        # second pass over the logits (and its recomputation in the checkpointed backward) would cost as much
+        # as the KL itself.
+        with torch.set_grad_enabled(torch.is_grad_enabled() and (spec.uses_teacher or spec.ce_weight > 0)):
+            log_q = torch.log_softmax(student_logits.float(), dim=-1)  # (N, V)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and spec.ce_weight > 0):
+            ce = -log_q.gather(-1, targets[:, None].long())[:, 0]
         with torch.set_grad_enabled(torch.is_grad_enabled() and spec.uses_teacher):
-            kd = kd_per_token(student_logits, teacher, spec)
+            kd = kd_per_token(student_logits, teacher, spec, log_q)
+    else:
+        with torch.set_grad_enabled(torch.is_grad_enabled() and spec.ce_weight > 0):
+            ce = ce_per_token(student_logits, targets)
+        if teacher is None:
+            kd = torch.zeros_like(ce)
+        else:
+            with torch.set_grad_enabled(torch.is_grad_enabled() and spec.uses_teacher):
+                kd = kd_per_token(student_logits, teacher, spec)
     # Only weighted-in terms enter total (LossConfig guarantees at least one), so a
     # zero-weight term costs no backward.
     terms = [spec.kd_weight * kd] if spec.uses_teacher else []
