@@ -2,6 +2,8 @@
 
     python scripts/bench_distill.py             # the full run, ~5 minutes on 2 CPU cores
     python scripts/bench_distill.py --quick     # smaller sizes, a smoke run of every part
+    python scripts/bench_distill.py --skip memory zero --real STUDENT models/smollm2-135m-instruct
+                                                # part 1 on a real MLA student and its source (vocab 49,152)
 
 Three measurements, each reported as a ratio of things measured side by side in this run:
 
@@ -9,7 +11,9 @@ Three measurements, each reported as a ratio of things measured side by side in 
    (a) one KD step, exactly the trainer's `batch_loss` (teacher forward without grad, student
    decoder, `chunked_loss` over the student's head) plus backward; (b) one student CE step (full
    logits, cross-entropy, backward); (c) one teacher forward. Ratio a / (b + c): the cost of the
-   distillation loss beyond running both models. No optimizer update in any of them.
+   distillation loss beyond running both models. No optimizer update in any of them. With --real
+   STUDENT TEACHER, the same on two checkpoints from disk (fp32, 4 sequences of 512: the main job's
+   micro-batch), e.g. SmolLM2 converted by `ecomla convert` and SmolLM2 itself.
 2. Peak memory of the loss alone, at a Llama-3 vocabulary (128,256) and 2,048 tokens: forward +
    backward of a naive KL (full (T, V) logits of both, log_softmax, KL) and of `chunked_loss` with
    checkpointing, from (T, d) hidden states through Linear(d, V) heads. Reported as peak RSS minus
@@ -51,6 +55,8 @@ MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(1 << 16)}
 # Sizes per preset; model shapes are (width, layers).
 KD = {"full": {"vocab": 8192, "seq": 512, "batch": 4, "student": (256, 4), "teacher": (512, 4), "warmup": 1, "repeats": 9},
       "quick": {"vocab": 2048, "seq": 128, "batch": 2, "student": (64, 2), "teacher": (128, 2), "warmup": 1, "repeats": 2}}
+KD_REAL = {"full": {"seq": 512, "batch": 4, "warmup": 1, "repeats": 5},
+           "quick": {"seq": 128, "batch": 2, "warmup": 1, "repeats": 2}}
 MEM = {"full": {"vocab": 128256, "tokens": 2048, "d": 256, "chunks": (1024, 256)},
        "quick": {"vocab": 16384, "tokens": 512, "d": 64, "chunks": (256, 64)}}
 ZERO = {"full": {"vocab": 8192, "seq": 256, "student": (256, 4), "teacher": (384, 4), "steps": 40, "kv_lora_rank": 64},
@@ -77,8 +83,16 @@ def child_kd(spec: dict) -> dict:
 
     torch.set_num_threads(spec["threads"])
     torch.manual_seed(0)
-    student = LlamaForCausalLM(LlamaConfig(**llama_config(spec["vocab"], *spec["student"]))).train()
-    teacher = LlamaForCausalLM(LlamaConfig(**llama_config(spec["vocab"], *spec["teacher"]))).eval().requires_grad_(False)
+    if "student_dir" in spec:  # the real-model case: checkpoints from disk, fp32
+        from transformers import AutoModelForCausalLM
+
+        student = AutoModelForCausalLM.from_pretrained(spec["student_dir"], dtype=torch.float32).train()
+        teacher = AutoModelForCausalLM.from_pretrained(spec["teacher_dir"], dtype=torch.float32)
+        teacher = teacher.eval().requires_grad_(False)
+        spec["vocab"] = student.config.vocab_size
+    else:
+        student = LlamaForCausalLM(LlamaConfig(**llama_config(spec["vocab"], *spec["student"]))).train()
+        teacher = LlamaForCausalLM(LlamaConfig(**llama_config(spec["vocab"], *spec["teacher"]))).eval().requires_grad_(False)
     B, T = spec["batch"], spec["seq"]
     tokens = torch.randint(spec["vocab"], (B, T))  # (B, T), one document per row
     batch = {"tokens": tokens, "segments": torch.ones(B, T, dtype=torch.long), "loss_mask": torch.ones(B, T)}
@@ -106,7 +120,8 @@ def child_kd(spec: dict) -> dict:
             fn()
             if i >= spec["warmup"]:
                 times[name].append(time.perf_counter() - t0)
-    return {"threads": torch.get_num_threads(), "student_params": sum(p.numel() for p in student.parameters()),
+    return {"threads": torch.get_num_threads(), "vocab": spec["vocab"],
+            "student_params": sum(p.numel() for p in student.parameters()),
             "teacher_params": sum(p.numel() for p in teacher.parameters()),
             **{name: {"median_s": statistics.median(t), "all_s": t} for name, t in times.items()}}
 
@@ -270,14 +285,21 @@ def print_tables(r: dict) -> None:
     m = r["machine"]
     print(f"\nmachine: {m['cpus']} CPUs, torch {m['torch']}, deepspeed {m['deepspeed']}, transformers "
           f"{m['transformers']}, load average {m['load_avg_1min_at_start']:.2f} at start; preset {r['preset']}")
-    if "kd" in r:
-        k, s = r["kd"], r["kd"]["sizes"]
-        print(f"\n1. KD overhead (vocab {s['vocab']}, {s['batch']}x{s['seq']} tokens, student {s['student']}, teacher "
-              f"{s['teacher']} (width, layers); {k['threads']} threads; median of {s['repeats']})")
+    for part in ("kd", "kd_real"):
+        if part not in r:
+            continue
+        k, s = r[part], r[part]["sizes"]
+        models = (f"student {s['student']}, teacher {s['teacher']}" if part == "kd_real"
+                  else f"student {s['student']}, teacher {s['teacher']} (width, layers)")
+        print(f"\n1{'b' if part == 'kd_real' else ''}. KD overhead{' on a real model' if part == 'kd_real' else ''} "
+              f"(vocab {k['vocab']}, {s['batch']}x{s['seq']} tokens, {models}; {k['threads']} threads; "
+              f"median of {s['repeats']})")
+        tokens = s["batch"] * s["seq"]
         for name, label in (("kd_step", "(a) KD step: teacher fwd + student fwd + chunked KD + bwd"),
                             ("ce_step", "(b) student CE step: fwd + full-logits CE + bwd"),
                             ("teacher_forward", "(c) teacher forward (no grad)")):
-            print(f"  {label:<58} {k[name]['median_s']:8.3f} s")
+            t = k[name]["median_s"]
+            print(f"  {label:<58} {t:8.3f} s {tokens / t:9.0f} tokens/s")
         print(f"  {'a / (b + c)':<58} {k['a_over_b_plus_c']:8.3f}")
     if "memory" in r:
         mm, s = r["memory"], r["memory"]["sizes"]
@@ -313,6 +335,9 @@ def main() -> int:
     p.add_argument("--keep", action="store_true", help="keep the ZeRO models and run outputs")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads of the one-process parts")
     p.add_argument("--skip", nargs="*", default=[], choices=["kd", "memory", "zero"], help="parts to leave out")
+    p.add_argument("--real", nargs=2, metavar=("STUDENT", "TEACHER"), default=None,
+                   help="also part 1 on real checkpoints, e.g. an `ecomla convert` output of SmolLM2 and SmolLM2 "
+                   "itself (fp32, 4x512 tokens: the main job's micro-batch)")
     p.add_argument("--child", nargs=2, default=None, help=argparse.SUPPRESS)  # KIND JSON: one measured child
     args = p.parse_args()
     if args.child is not None:
@@ -334,6 +359,14 @@ def main() -> int:
         kd["sizes"] = KD[preset]
         kd["a_over_b_plus_c"] = kd["kd_step"]["median_s"] / (kd["ce_step"]["median_s"] + kd["teacher_forward"]["median_s"])
         result["kd"] = kd
+    if args.real is not None:
+        print("  kd overhead on the real model ...", flush=True)
+        size = {**KD_REAL[preset], "student": args.real[0], "teacher": args.real[1]}
+        kd, _ = child("kd", {**size, "student_dir": str(Path(args.real[0]).resolve()),
+                             "teacher_dir": str(Path(args.real[1]).resolve()), "threads": args.threads}, work, "kd_real")
+        kd["sizes"] = size
+        kd["a_over_b_plus_c"] = kd["kd_step"]["median_s"] / (kd["ce_step"]["median_s"] + kd["teacher_forward"]["median_s"])
+        result["kd_real"] = kd
     if "zero" not in args.skip:
         result["zero"] = bench_zero(ZERO[preset], work, args.keep)
     result["wall_s"] = time.perf_counter() - t0

@@ -77,7 +77,17 @@ def measure(model_dir: Path, source_logp: dict, blocks: dict, targets: dict) -> 
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    return {d: agreement(zip(source_logp[d], logprobs(model, ids), targets[d])) for d, ids in blocks.items()}
+    return measure_model(model, source_logp, blocks, targets)
+
+
+def measure_model(model, source_logp: dict, blocks: dict, targets: dict) -> dict:
+    """Perplexity, KL(source‖model) and top-1 agreement per domain, the model left in the mode it was in."""
+    training = model.training
+    model.eval()
+    try:
+        return {d: agreement(zip(source_logp[d], logprobs(model, ids), targets[d])) for d, ids in blocks.items()}
+    finally:
+        model.train(training)
 
 
 def run_settings(args) -> dict:
@@ -104,6 +114,9 @@ class Yardstick:
 
     def measure(self, model_dir: Path) -> dict:
         return measure(model_dir, self.source_logp, self.blocks, self.targets)
+
+    def measure_model(self, model) -> dict:
+        return measure_model(model, self.source_logp, self.blocks, self.targets)
 
 
 def run_cells(out: Path, cells: list, yardstick: Yardstick, settings: dict) -> list[dict]:

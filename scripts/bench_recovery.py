@@ -1,0 +1,270 @@
+"""Recovery curves: held-out quality against distillation tokens, one student per conversion preset, same data.
+
+    python scripts/bench_recovery.py --model models/smollm2-135m-instruct --out runs/recovery/4x --budget 64+32
+    python scripts/bench_recovery.py --model M --out O --budget 28+32 --inits xecomla best --tokens 49152
+
+For each preset (`init.preset`, e.g. X-EcoMLA's `xecomla` and ecomla's `best`) it converts the model at
+r_kv + d_r with `ecomla convert`'s own code (both calibrated on the same `pytext:calibration` tokens), then
+self-distils the student from the source model with `ecomla distill`'s own trainer (forward KL against the live
+source, `pytext:train` prose and code documents, the same data order and schedule for every preset). Before
+training and every --measure-every tokens it measures the student on held-out blocks of both pytext domains:
+perplexity, KL(source‖student) and top-1 agreement. Writes OUT/curves.json, OUT/table.md (including the tokens
+each preset needs to reach the other's final perplexity) and OUT/chart.png. A conversion is kept in
+OUT/PRESET/model and reused on a rerun with the same settings; the distillation always runs again.
+The multiple-choice task scores are not measured along the curve (`ecomla eval` on OUT/PRESET/distill/final
+gives them at the end).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from oneshot_table import DOMAINS, Yardstick, parse_budget  # noqa: E402
+
+from ecomla.convert import presets  # noqa: E402
+
+
+def settings_of(args) -> dict:
+    """What a kept conversion depends on: it is reused only when these match."""
+    return {"model": str(Path(args.model).resolve()), "budget": args.budget, "calibration_tokens": args.calibration_tokens,
+            "seq_len": args.seq_len, "latent_norm": args.latent_norm}
+
+
+def convert(args, preset: str, out: Path) -> None:
+    import bench_init
+
+    r_kv, d_r = parse_budget(args.budget)
+    off = {"mla": {"latent_norm": args.latent_norm}} if args.latent_norm and preset == "best" else None
+    bench_init.convert(args, preset, r_kv, d_r, out, off)
+
+
+def distill_recipe(args, student: Path, out: Path) -> dict:
+    return {
+        "student": str(student),
+        "teacher": {"model": args.model, "source": "live"},
+        "data": {"train": {"dataset": "pytext:train", "max_documents": args.train_documents}, "seq_len": args.seq_len},
+        "loss": {"kind": "forward_kl"},
+        "train": {"total_tokens": args.tokens, "global_batch_tokens": args.global_batch_tokens,
+                  "micro_batch_size": args.micro_batch_size, "lr": args.lr, "warmup_ratio": args.warmup_ratio,
+                  "min_lr_ratio": args.min_lr_ratio, "precision": "fp32"},
+        "deepspeed": {"zero_stage": 0},
+        "checkpoint": {"every_steps": 0},
+        "log": {"eval_every_steps": 0, "tensorboard": False},
+        "output_dir": str(out),
+    }
+
+
+def point(tokens: int, seconds: float, m: dict) -> dict:
+    row = {"tokens": tokens, "seconds": round(seconds, 1)}
+    for d in DOMAINS:
+        row[d] = {"perplexity": m[d]["converted_perplexity"], "kl": m[d]["kl_source_to_converted"],
+                  "top1": m[d]["top1_agreement"]}
+    return row
+
+
+def curve(args, preset: str, yardstick: Yardstick, out: Path) -> dict:
+    """Convert (or reuse) and distil one preset's student, measuring it along the way."""
+    from ecomla.distill.recipe import DistillRecipe
+    from ecomla.distill.trainer import DistillRun
+    from ecomla.recipe.schema import load_recipe
+
+    model_dir = out / preset / "model"
+    t0 = time.time()
+    if not (model_dir / "conversion_report.json").is_file():
+        convert(args, preset, model_dir)
+    convert_s = time.time() - t0
+    points = [point(0, 0.0, yardstick.measure(model_dir))]
+    print(f"{preset}: converted ({convert_s:.0f} s): {points[0]}", flush=True)
+    every = max(1, args.measure_every // args.global_batch_tokens)
+    total = args.tokens // args.global_batch_tokens
+    t_train = time.time()
+    measuring = [0.0]
+
+    def on_step(steps: int, student) -> None:
+        if steps % every == 0 or steps == total:
+            t = time.time()
+            points.append(point(steps * args.global_batch_tokens, t - t_train - measuring[0],
+                                yardstick.measure_model(student)))
+            measuring[0] += time.time() - t
+            print(f"{preset}: {points[-1]}", flush=True)
+
+    recipe = load_recipe(DistillRecipe, data=distill_recipe(args, model_dir, out / preset / "distill"))
+    job = DistillRun(recipe, force=True, progress=True, on_step=on_step)
+    job.setup()
+    job.train()
+    metrics = [json.loads(line) for line in (out / preset / "distill" / "metrics.jsonl").read_text().splitlines()]
+    del job
+    return {"preset": preset, "convert_seconds": convert_s, "points": points,
+            "kd_tokens_per_s": sorted(m["tokens_per_s"] for m in metrics)[len(metrics) // 2],
+            "kd_loss": [m["kd"] for m in metrics]}
+
+
+def tokens_to_reach(points: list[dict], domain: str, target: float) -> float | None:
+    """Distillation tokens at which the held-out perplexity first falls to `target` (log-linear between points;
+    None: not within the curve)."""
+    prev = None
+    for p in points:
+        ppl = p[domain]["perplexity"]
+        if ppl <= target:
+            if prev is None or prev[domain]["perplexity"] <= target:
+                return float(p["tokens"])
+            a, b = math.log(prev[domain]["perplexity"]), math.log(ppl)
+            f = (a - math.log(target)) / (a - b)
+            return prev["tokens"] + f * (p["tokens"] - prev["tokens"])
+        prev = p
+    return None
+
+
+def projected_tokens(points: list[dict], domain: str, target: float, src: float) -> float | None:
+    """Tokens at which the excess perplexity over the source `src`, ppl − src, fitted as a power law of the
+    tokens through every measured point after the start, falls to `target` − src (None: the fit does not fall).
+    A rough guide: the run's learning rate decays, which flattens its last points."""
+    pts = [p for p in points if p["tokens"] > 0]
+    if len(pts) < 2 or any(p[domain]["perplexity"] <= src for p in pts):
+        return None
+    xs = [math.log(p["tokens"]) for p in pts]
+    ys = [math.log(p[domain]["perplexity"] - src) for p in pts]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    if slope >= 0:
+        return None
+    return math.exp(mx + (math.log(target - src) - my) / slope)
+
+
+def efficiency(curves: list[dict]) -> list[str]:
+    """For each pair of presets: tokens the second needs to reach the first's final perplexity, as a share."""
+    lines = []
+    for a in curves:
+        for b in curves:
+            if a is b:
+                continue
+            final = a["points"][-1]
+            for d in DOMAINS:
+                target = final[d]["perplexity"]
+                need = tokens_to_reach(b["points"], d, target)
+                share = "not reached" if need is None else f"{need:,.0f} tokens = {need / final['tokens']:.0%} of them"
+                lines.append(f"- {d}: {b['preset']} reaches {a['preset']}'s final perplexity {target:,.1f} "
+                             f"(after {final['tokens']:,} tokens) with {share}")
+    return lines
+
+
+def table(result: dict) -> str:
+    src = result["source"]
+    lines = [f"Budget {result['budget']}; source held-out perplexity {src['prose']:.2f} (prose), {src['code']:.2f} "
+             f"(code). Whole run: {result['wall_seconds'] / 60:.1f} min.", "",
+             "| preset | tokens | ppl prose | ppl code | KL prose | KL code | top-1 prose | top-1 code | train s |",
+             "|" + "---|" * 9]
+    for c in result["curves"]:
+        for p in c["points"]:
+            lines.append(f"| {c['preset']} | {p['tokens']:,} | {p['prose']['perplexity']:,.1f} "
+                         f"| {p['code']['perplexity']:,.1f} | {p['prose']['kl']:.3f} | {p['code']['kl']:.3f} "
+                         f"| {p['prose']['top1']:.1%} | {p['code']['top1']:.1%} | {p['seconds']:.0f} |")
+    lines += ["", "KD tokens/s (median step): " + ", ".join(f"{c['preset']} {c['kd_tokens_per_s']:.0f}"
+                                                           for c in result["curves"]), ""]
+    lines += efficiency(result["curves"]) + [""]
+    for c in result["curves"]:
+        for d in DOMAINS:
+            target = 1.2 * src[d]
+            need = tokens_to_reach(c["points"], d, target)
+            if need is None:
+                need = projected_tokens(c["points"], d, target, src[d])
+                how = "not reached; power law through the curve projects" if need is not None else "not reached, and the last points do not fall"
+            else:
+                how = "reached at"
+            lines.append(f"- {c['preset']}, {d}: 1.2x the source ({target:.2f}) {how}"
+                         + (f" {need:,.0f} tokens" if need is not None else ""))
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for c in result["curves"]:
+        x = [p["tokens"] for p in c["points"]]
+        for ax, d in zip(axes[:2], DOMAINS):
+            ax.plot(x, [p[d]["perplexity"] for p in c["points"]], marker="o", label=c["preset"])
+        axes[2].plot(x, [(p["prose"]["kl"] + p["code"]["kl"]) / 2 for p in c["points"]], marker="o", label=c["preset"])
+    for ax, d in zip(axes[:2], DOMAINS):
+        ax.axhline(result["source"][d], ls="--", color="k", label="source")
+        ax.set(yscale="log", title=f"held-out perplexity, {d}", xlabel="distillation tokens")
+    axes[2].set(yscale="log", title="KL(source‖student), mean of both domains", xlabel="distillation tokens")
+    for ax in axes:
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"{Path(result['model']).name}: recovery at r_kv + d_r = {result['budget']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True, help="source checkpoint directory (also the teacher)")
+    p.add_argument("--out", required=True, help="output directory (PRESET/, curves.json, table.md, chart.png)")
+    p.add_argument("--budget", help="R_KV+D_R, e.g. 64+32 (4.0x on SmolLM2); required unless --report-only")
+    p.add_argument("--inits", nargs="+", default=["xecomla", "best"], choices=list(presets.PRESET_NAMES),
+                   help="conversion presets, one student each (default: xecomla best)")
+    p.add_argument("--latent-norm", choices=["linear", "normalize"], default=None,
+                   help="override best's mla.latent_norm (default: the preset's, linear)")
+    p.add_argument("--tokens", type=int, default=40960, help="distillation tokens per student")
+    p.add_argument("--measure-every", type=int, default=8192, help="measure every this many tokens")
+    p.add_argument("--global-batch-tokens", type=int, default=2048, help="tokens per optimizer step")
+    p.add_argument("--micro-batch-size", type=int, default=4, help="sequences per forward pass")
+    p.add_argument("--lr", type=float, default=1e-4, help="peak learning rate")
+    p.add_argument("--warmup-ratio", type=float, default=0.1, help="share of steps with linear warm-up")
+    p.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine decays to lr × this")
+    p.add_argument("--train-documents", type=int, default=40, help="pytext:train documents read (prose and code "
+                   "alternating)")
+    p.add_argument("--calibration-tokens", type=int, default=16384, help="calibration tokens, every preset")
+    p.add_argument("--eval-tokens", type=int, default=4096, help="held-out tokens per domain")
+    p.add_argument("--seq-len", type=int, default=512, help="sequence length for every stage")
+    p.add_argument("--report-only", action="store_true", help="rewrite table.md and chart.png from OUT/curves.json")
+    args = p.parse_args(argv)
+    if args.report_only:
+        result = json.loads((Path(args.out) / "curves.json").read_text())
+        (Path(args.out) / "table.md").write_text(table(result))
+        plot(result, Path(args.out) / "chart.png")
+        print(table(result), end="")
+        return 0
+    if args.budget is None:
+        p.error("--budget: required (e.g. 64+32)")
+    try:
+        parse_budget(args.budget)
+    except (ValueError, argparse.ArgumentTypeError) as err:
+        p.error(f"--budget {args.budget}: {err}")
+    if args.tokens < args.global_batch_tokens or args.tokens % args.global_batch_tokens:
+        p.error(f"--tokens {args.tokens}: must be a whole number of --global-batch-tokens ({args.global_batch_tokens})")
+    out = Path(args.out)
+    settings = settings_of(args)
+    kept = out / "settings.json"
+    if kept.is_file() and json.loads(kept.read_text()) != settings:
+        p.error(f"{out} holds conversions made with other settings ({kept}); use a new --out or delete it")
+    out.mkdir(parents=True, exist_ok=True)
+    kept.write_text(json.dumps(settings, indent=2) + "\n")
+    t0 = time.time()
+    yardstick = Yardstick(args.model, args.eval_tokens, args.seq_len)
+    curves = [curve(args, preset, yardstick, out) for preset in args.inits]
+    result = {"model": args.model, "budget": args.budget, "source": yardstick.source, "args": vars(args),
+              "curves": curves, "wall_seconds": time.time() - t0}
+    (out / "curves.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "table.md").write_text(table(result))
+    plot(result, out / "chart.png")
+    print(table(result), end="")
+    print(f"wrote {out}/curves.json, table.md and chart.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
