@@ -98,8 +98,8 @@ def child_kd(spec: dict) -> dict:
     batch = {"tokens": tokens, "segments": torch.ones(B, T, dtype=torch.long), "loss_mask": torch.ones(B, T)}
     live = LiveTeacher(teacher, 1.0)
 
-    def kd_step() -> None:
-        sums = batch_loss(student, live, batch, list(range(B)), LossConfig(), cross_document=True,
+    def kd_step(recompute: bool = True) -> None:
+        sums = batch_loss(student, live, batch, list(range(B)), LossConfig(recompute=recompute), cross_document=True,
                           dtype=torch.float32, device=torch.device("cpu"), chunk_tokens=1024)
         (sums.total / sums.tokens).backward()
 
@@ -111,7 +111,8 @@ def child_kd(spec: dict) -> dict:
     def teacher_forward() -> None:
         teacher(input_ids=tokens)
 
-    steps = {"kd_step": kd_step, "ce_step": ce_step, "teacher_forward": teacher_forward}
+    steps = {"kd_step": kd_step, "kd_step_no_recompute": lambda: kd_step(False), "ce_step": ce_step,
+             "teacher_forward": teacher_forward}
     times: dict[str, list[float]] = {name: [] for name in steps}
     for i in range(spec["warmup"] + spec["repeats"]):
         for name, fn in steps.items():  # interleaved, so a change of machine load hits all three alike
@@ -296,11 +297,16 @@ def print_tables(r: dict) -> None:
               f"median of {s['repeats']})")
         tokens = s["batch"] * s["seq"]
         for name, label in (("kd_step", "(a) KD step: teacher fwd + student fwd + chunked KD + bwd"),
+                            ("kd_step_no_recompute", "(a') the same, loss.recompute: false"),
                             ("ce_step", "(b) student CE step: fwd + full-logits CE + bwd"),
                             ("teacher_forward", "(c) teacher forward (no grad)")):
-            t = k[name]["median_s"]
-            print(f"  {label:<58} {t:8.3f} s {tokens / t:9.0f} tokens/s")
+            if name in k:
+                t = k[name]["median_s"]
+                print(f"  {label:<58} {t:8.3f} s {tokens / t:9.0f} tokens/s")
         print(f"  {'a / (b + c)':<58} {k['a_over_b_plus_c']:8.3f}")
+        if "a_no_recompute_over_b_plus_c" in k:
+            label = "a' / (b + c)"
+            print(f"  {label:<58} {k['a_no_recompute_over_b_plus_c']:8.3f}")
     if "memory" in r:
         mm, s = r["memory"], r["memory"]["sizes"]
         print(f"\n2. Loss-only peak memory (vocab {s['vocab']}, {s['tokens']} tokens, d {s['d']}; one (T, V) fp32 "
@@ -358,6 +364,8 @@ def main() -> int:
         kd, _ = child("kd", {**KD[preset], "threads": args.threads}, work, "kd")
         kd["sizes"] = KD[preset]
         kd["a_over_b_plus_c"] = kd["kd_step"]["median_s"] / (kd["ce_step"]["median_s"] + kd["teacher_forward"]["median_s"])
+        kd["a_no_recompute_over_b_plus_c"] = (kd["kd_step_no_recompute"]["median_s"]
+                                              / (kd["ce_step"]["median_s"] + kd["teacher_forward"]["median_s"]))
         result["kd"] = kd
     if args.real is not None:
         print("  kd overhead on the real model ...", flush=True)
@@ -366,6 +374,8 @@ def main() -> int:
                              "teacher_dir": str(Path(args.real[1]).resolve()), "threads": args.threads}, work, "kd_real")
         kd["sizes"] = size
         kd["a_over_b_plus_c"] = kd["kd_step"]["median_s"] / (kd["ce_step"]["median_s"] + kd["teacher_forward"]["median_s"])
+        kd["a_no_recompute_over_b_plus_c"] = (kd["kd_step_no_recompute"]["median_s"]
+                                              / (kd["ce_step"]["median_s"] + kd["teacher_forward"]["median_s"]))
         result["kd_real"] = kd
     if "zero" not in args.skip:
         result["zero"] = bench_zero(ZERO[preset], work, args.keep)

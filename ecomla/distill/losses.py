@@ -80,6 +80,11 @@ class LossConfig:
     ce_weight: float = knob(0.0, help="Weight of next-token CE on the data, at temperature 1 (X-EcoMLA: 0)")
     mix: float = knob(0.5, help="β of jsd, α of skew_kl; in [0, 1]")
     chunk_tokens: int = knob(1024, help="Logits are computed this many target tokens at a time (memory ∝ chunk × vocab)")
+    recompute: bool = knob(
+        True, help="Recompute each chunk's logits (both heads) in backward, so only one chunk's (chunk, vocab) "
+        "tensors are alive; false keeps every chunk's for backward (memory ∝ tokens × vocab) and saves the "
+        "recomputation: 13% of a KD step on SmolLM2 on 2 CPU cores (scripts/bench_distill.py --real)"
+    )
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", KDLoss(self.kind))  # a plain string is converted

@@ -120,7 +120,7 @@ def batch_loss(student, teacher, batch: dict, indices: list[int], spec: LossConf
     if sync_chunks is not None:
         num_chunks = max(1, all_reduce_max(math.ceil(hidden.shape[0] / chunk_tokens), sync_chunks))
     return chunked_loss(hidden, student.get_output_embeddings(), teacher_fn, mi["targets"][valid], spec,
-                        chunk_tokens, num_chunks=num_chunks)
+                        chunk_tokens, checkpoint=spec.recompute, num_chunks=num_chunks)
 
 
 class DistillRun:

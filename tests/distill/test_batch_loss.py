@@ -64,3 +64,22 @@ def test_prompt_masking_counts_only_targets(tmp_path, tokenizer_dir):
     ce = torch.nn.functional.cross_entropy(s_logits[valid], b["tokens"][0].roll(-1)[valid], reduction="none")
     torch.testing.assert_close(got.kd, kd.sum(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got.total, (kd + 0.5 * ce).sum(), rtol=1e-5, atol=1e-5)
+
+
+def test_loss_recompute_off_gives_the_same_loss_and_gradients(tmp_path, tokenizer_dir):
+    """`loss.recompute: false` only trades memory for the backward's recomputation of each chunk."""
+    student, teacher, tok = _models(tmp_path, tokenizer_dir)
+    ids = [tok(t)["input_ids"] + [tok.eos_token_id] for t in ("the cat sat on a mat", "red fish in bowls")]
+    docs = [Doc(i, [1] * len(i)) for i in ids]
+    data = InMemoryPacked(list(pack(docs, 48, pad_id=0)), 48)
+    grads = []
+    for recompute in (True, False):
+        spec = LossConfig(kind=KDLoss.FORWARD_KL, ce_weight=0.5, recompute=recompute)
+        student.zero_grad(set_to_none=True)
+        sums = batch_loss(student, LiveTeacher(teacher, 1.0), data.batch([0]), [0], spec, cross_document=False,
+                          dtype=torch.float32, device=torch.device("cpu"), chunk_tokens=5)
+        sums.total.backward()
+        grads.append((float(sums.total), [p.grad.clone() for p in student.parameters() if p.grad is not None]))
+    assert grads[0][0] == grads[1][0]
+    for a, b in zip(grads[0][1], grads[1][1]):
+        torch.testing.assert_close(a, b)
