@@ -56,12 +56,19 @@ def test_two_processes_zero(world, tmp_path, stage, launcher):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("procs", [1, 2])
-def test_resume_after_kill_reproduces_losses(world, tmp_path, procs):
-    # 24 steps, checkpoints every 4, killed once 5 are logged: it resumes from step 4 or 8 of 24.
+@pytest.mark.parametrize("procs, latent_norm", [(1, "normalize"), (2, "normalize"), (1, "linear")])
+def test_resume_after_kill_reproduces_losses(world, tmp_path, procs, latent_norm):
+    # 24 steps, checkpoints every 4, killed once 5 are logged: it resumes from step 4 or 8 of 24. A linear-latent
+    # student trains with its own scaled AdamW groups and a gradient mask, which must resume as exactly.
     extra = {"train": {"total_tokens": 256 * 24, **({"micro_batch_size": 1} if procs == 2 else {})}}
     if procs == 2:
         extra["deepspeed"] = {"zero_stage": 2}
+    if latent_norm == "linear":
+        from tests.convert.helpers import convert
+
+        student = tmp_path / "linear"
+        convert(world["root"] / "base", student, mla={"kv_lora_rank": 16, "qk_rope_head_dim": 8, "latent_norm": "linear"})
+        extra["student"] = str(student)
     ref_out, cut_out = tmp_path / "ref", tmp_path / "cut"
     ref = w.run(w.write_recipe(tmp_path / "ref.yaml", w.recipe(world, ref_out, **extra)), procs)
     assert ref.returncode == 0, w.errors(ref)

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+from ecomla.distill.runtime import solo_env
 from tests.scripts.test_oneshot_table import ROOT
 
 
@@ -18,7 +19,8 @@ def _cmd(src, out, *extra):
 
 def test_two_presets_are_distilled_and_measured_along_the_way(source_factory, tmp_path):
     src = source_factory("llama")
-    proc = subprocess.run(_cmd(src, tmp_path / "o"), capture_output=True, text=True, cwd=ROOT, timeout=900)
+    proc = subprocess.run(_cmd(src, tmp_path / "o"), capture_output=True, text=True, cwd=ROOT, timeout=900,
+                          env=solo_env())  # not this process's RANK/MASTER_PORT, if an earlier test set them
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "o" / "curves.json").read_text())
     assert [c["preset"] for c in result["curves"]] == ["xecomla", "best"]
@@ -32,8 +34,8 @@ def test_two_presets_are_distilled_and_measured_along_the_way(source_factory, tm
     assert (tmp_path / "o" / "best" / "distill" / "final" / "config.json").is_file()
     (tmp_path / "o" / "table.md").unlink()
     again = subprocess.run(_cmd(src, tmp_path / "o", "--report-only"), capture_output=True, text=True, cwd=ROOT,
-                           timeout=300)
+                           timeout=300, env=solo_env())
     assert again.returncode == 0 and "1.2x the source" in (tmp_path / "o" / "table.md").read_text(), again.stderr
     other = subprocess.run(_cmd(src, tmp_path / "o", "--latent-norm", "normalize"), capture_output=True, text=True,
-                           cwd=ROOT, timeout=300)
+                           cwd=ROOT, timeout=300, env=solo_env())
     assert other.returncode == 2 and "other settings" in other.stderr, other.stderr[-2000:]
