@@ -18,8 +18,8 @@ from ecomla.mla.rope_key import RopeAllocation, RopeKey, RopeResidual
 from ecomla.recipe.schema import knob
 
 
-# Why a linear latent (mla.latent_norm: linear) is for checkpoints served without training; `ecomla convert`
-# prints it, `ecomla distill` and `ecomla run` refuse with it (docs/convert.md#the-levers-of-best).
+# How a linear latent (mla.latent_norm: linear) trains, and why not under LoRA; `ecomla convert` prints it,
+# `ecomla distill` and `ecomla run` refuse a LoRA run of such a student with it (docs/distill.md).
 LINEAR_LATENT_LORA = (
     "mla.latent_norm: linear keeps the latent at about 1e-5 of its natural scale, inside kv_a_layernorm's epsilon, "
     "through input_layernorm and kv_a_proj_with_mqa weights of about 1e-3, and query rows stored x1/gain. Full and "

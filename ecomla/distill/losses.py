@@ -234,24 +234,20 @@ def token_loss(
     """
     if teacher is None and spec.uses_teacher:
         raise ValueError(f"kind={spec.kind.value} with kd_weight={spec.kd_weight} needs a teacher, got None")
+    log_q = None
     if teacher is not None and spec.kind is not KDLoss.NONE and spec.temperature == 1.0:
         # One log-softmax over the (N, V) logits serves both terms: CE at T = 1 is −log q of the target. A
         # second pass over the logits (and its recomputation in the checkpointed backward) would cost as much
         # as the KL itself.
         with torch.set_grad_enabled(torch.is_grad_enabled() and (spec.uses_teacher or spec.ce_weight > 0)):
             log_q = torch.log_softmax(student_logits.float(), dim=-1)  # (N, V)
-        with torch.set_grad_enabled(torch.is_grad_enabled() and spec.ce_weight > 0):
-            ce = -log_q.gather(-1, targets[:, None].long())[:, 0]
+    with torch.set_grad_enabled(torch.is_grad_enabled() and spec.ce_weight > 0):
+        ce = ce_per_token(student_logits, targets) if log_q is None else -log_q.gather(-1, targets[:, None].long())[:, 0]
+    if teacher is None:
+        kd = torch.zeros_like(ce)
+    else:
         with torch.set_grad_enabled(torch.is_grad_enabled() and spec.uses_teacher):
             kd = kd_per_token(student_logits, teacher, spec, log_q)
-    else:
-        with torch.set_grad_enabled(torch.is_grad_enabled() and spec.ce_weight > 0):
-            ce = ce_per_token(student_logits, targets)
-        if teacher is None:
-            kd = torch.zeros_like(ce)
-        else:
-            with torch.set_grad_enabled(torch.is_grad_enabled() and spec.uses_teacher):
-                kd = kd_per_token(student_logits, teacher, spec)
     # Only weighted-in terms enter total (LossConfig guarantees at least one), so a
     # zero-weight term costs no backward.
     terms = [spec.kd_weight * kd] if spec.uses_teacher else []

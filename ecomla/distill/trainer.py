@@ -219,7 +219,7 @@ class DistillRun:
             self.stage_bounds = np.array([1.0])
         # A linear-latent student stores some tensors off their natural scale: each gets its own group (and the
         # latent rows are frozen), so AdamW trains it as it would the same model at natural scale.
-        scales = models.stored_scales(r.student, student.config) if r.train.mode != "lora" else {}
+        scales = models.stored_scales(r.student, student.config)  # a LoRA run of such a student was refused
         for name, p in zip(names, params):
             if name in scales and scales[name].frozen_rows and p.requires_grad:
                 models.freeze_rows(p, scales[name].frozen_rows)
