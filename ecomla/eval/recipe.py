@@ -113,6 +113,11 @@ class EvalRecipe:
     )
     batch_size: int = knob(32, help="lm-eval batch size")
     limit: int | None = knob(None, help="At most this many items per task (smoke runs; null: all)")
+    task_limits: dict[str, int | None] = knob(
+        default_factory=dict,
+        help="Per-task item limits that replace `limit` for the tasks named (suite task names; null: all items), "
+        "e.g. fewer perplexity passages than multiple-choice items",
+    )
     bootstrap_iters: int = knob(1000, help="Bootstrap resamples for stderr of non-mean metrics such as perplexity")
     seed: int = knob(1234, help="lm-eval's random seeds")
     chart_title: str | None = knob(None, help="Chart title; null: derived from the suite")
@@ -127,7 +132,13 @@ class EvalRecipe:
             problems.append("batch_size: must be >= 1")
         if self.limit is not None and self.limit < 1:
             problems.append("limit: must be >= 1 or null")
+        problems += [f"task_limits.{t}: must be >= 1 or null" for t, n in self.task_limits.items()
+                     if n is not None and n < 1]
         return problems
+
+    def limit_of(self, task: str) -> int | None:
+        """The item limit for one suite task: its task_limits entry, else `limit`."""
+        return self.task_limits[task] if task in self.task_limits else self.limit
 
     @property
     def base(self) -> EvalModel | None:

@@ -61,7 +61,8 @@ def summarize(results: list[dict]) -> dict:
     averaged = [t for t in tasks if results[0]["tasks"][t]["average"]]
     return {"tasks": tasks, "metrics": metrics, "averaged": averaged, "models": results,
             "lm_eval_version": results[0].get("lm_eval_version"),
-            "task_versions": {t: results[0]["tasks"][t].get("version") for t in tasks}}
+            "task_versions": {t: results[0]["tasks"][t].get("version") for t in tasks},
+            "task_items": {t: results[0]["tasks"][t].get("n") for t in tasks}}
 
 
 def markdown(summary: dict) -> str:
@@ -90,6 +91,9 @@ def markdown(summary: dict) -> str:
         f"lm-eval {summary['lm_eval_version']}; task versions: "
         + ", ".join(f"{short[t]} {v}" for t, v in summary["task_versions"].items()) + ".",
     ]
+    items = {t: n for t, n in summary.get("task_items", {}).items() if n is not None}
+    if items:
+        notes.append("Items scored per task: " + ", ".join(f"{short[t]} {n}" for t, n in items.items()) + ".")
     return "\n".join(rows + notes) + "\n"
 
 

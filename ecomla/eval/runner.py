@@ -6,7 +6,7 @@ and every model path (a local directory needs config.json and weights; a hub
 name must resolve). Only then does any model run.
 
 Results go to <output_dir>/results/<name>.json, written atomically. A result
-whose key (model files' fingerprint, suite and its task files, limit, dtype, lm-eval version)
+whose key (model files' fingerprint, suite and its task files, item limits, dtype, lm-eval version)
 matches the current recipe is reused, so adding a model to a recipe evaluates
 only that model; --force re-evaluates everything. The report (report.json,
 report.md, chart.png) is rebuilt from the result files at the end, and by
@@ -64,6 +64,15 @@ def task_manager(include: Path | None):
     return TaskManager(include_path=str(include) if include else None, include_defaults=include is None)
 
 
+def check_task_limits(recipe: EvalRecipe, suite: Suite) -> None:
+    """task_limits may only name the suite's own tasks."""
+    listed = [t.task for t in suite.tasks]
+    unknown = sorted(set(recipe.task_limits) - set(listed))
+    if unknown:
+        raise EvalError(f"task_limits: {', '.join(map(repr, unknown))} not in suite {suite.name!r} "
+                        f"(its tasks: {', '.join(listed)})")
+
+
 def check_tasks(suite: Suite, tm) -> None:
     """Every suite task must be a task, group or tag lm-eval knows."""
     known = set(tm.all_tasks)
@@ -103,12 +112,19 @@ def evaluate_model(model: EvalModel, recipe: EvalRecipe, suite: Suite, tm, cfg: 
     t0 = time.time()
     lm = HFLM(pretrained=model.path, tokenizer=model.path, device=recipe.device, dtype=recipe.dtype,
               batch_size=recipe.batch_size)
-    out = lm_eval.simple_evaluate(
-        model=lm, tasks=[t.task for t in suite.tasks], num_fewshot=suite.num_fewshot, task_manager=tm,
-        limit=recipe.limit, bootstrap_iters=recipe.bootstrap_iters, log_samples=False,
-        random_seed=recipe.seed, numpy_random_seed=recipe.seed, torch_random_seed=recipe.seed,
-        fewshot_random_seed=recipe.seed,
-    )
+    by_limit: dict[int | None, list[str]] = {}  # lm-eval takes one limit per call: one call per distinct limit
+    for t in suite.tasks:
+        by_limit.setdefault(recipe.limit_of(t.task), []).append(t.task)
+    out = {"results": {}, "versions": {}, "n-samples": {}}
+    for limit, names in by_limit.items():
+        part = lm_eval.simple_evaluate(
+            model=lm, tasks=names, num_fewshot=suite.num_fewshot, task_manager=tm,
+            limit=limit, bootstrap_iters=recipe.bootstrap_iters, log_samples=False,
+            random_seed=recipe.seed, numpy_random_seed=recipe.seed, torch_random_seed=recipe.seed,
+            fewshot_random_seed=recipe.seed,
+        )
+        for section in out:
+            out[section].update(part.get(section, {}))
     tasks = {}
     for spec in suite.tasks:
         res = out["results"][spec.task]
@@ -151,7 +167,8 @@ def evaluate_model(model: EvalModel, recipe: EvalRecipe, suite: Suite, tm, cfg: 
 def result_key(model: EvalModel, recipe: EvalRecipe, suite: Suite, include: Path | None, base_cfg: dict | None) -> str:
     import lm_eval
 
-    parts = [path_fingerprint(model.path), recipe_to_dict(model), recipe_to_dict(suite), recipe.limit, recipe.dtype,
+    limits = [recipe.limit_of(t.task) for t in suite.tasks]
+    parts = [path_fingerprint(model.path), recipe_to_dict(model), recipe_to_dict(suite), limits, recipe.dtype,
              recipe.device.split(":")[0], recipe.batch_size, recipe.bootstrap_iters, recipe.seed, base_cfg, include and path_fingerprint(include),
              lm_eval.__version__]
     return digest(*parts, length=16)
@@ -162,6 +179,7 @@ def run_eval(recipe: EvalRecipe, *, force: bool = False, progress: bool = True) 
     from ecomla.eval.report import write_report
 
     suite, include = load_suite(recipe.suite)
+    check_task_limits(recipe, suite)
     tm = task_manager(include)
     check_tasks(suite, tm)
     problems, cfgs = [], {}

@@ -204,10 +204,12 @@ def eval_recipe(recipe: RunRecipe, stages: list[Stage]):
 
 def run(recipe: RunRecipe, *, force: bool = False, progress: bool = True) -> Path:
     """Run (or reuse) every stage, then eval and report; returns the eval directory."""
-    from ecomla.eval.runner import run_eval
+    from ecomla.eval.recipe import load_suite
+    from ecomla.eval.runner import check_task_limits, run_eval
 
     stages = plan(recipe)
     evaluation = eval_recipe(recipe, stages)
+    check_task_limits(evaluation, load_suite(evaluation.suite)[0])  # before an hour of stages, not after
     out = Path(recipe.output_dir)
     eval_dir = Path(evaluation.output_dir)
     world = int(os.environ.get("WORLD_SIZE", "1"))

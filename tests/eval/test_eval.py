@@ -98,6 +98,19 @@ def test_same_numbers_in_two_runs(models, tmp_path):
         assert ra["tasks"] == rb["tasks"] and ra["average"] == rb["average"]
 
 
+def test_task_limits_replace_the_limit_for_the_tasks_they_name(models, tmp_path):
+    out = run_eval(recipe(tmp_path, models, task_limits={"tinyworld_ppl_records": 1}), progress=False)
+    tasks = json.loads((out / "results" / "mla-4x.json").read_text())["tasks"]
+    assert tasks["tinyworld_recall"]["n"] == 3 and tasks["tinyworld_ppl_records"]["n"] == 1
+    assert "Items scored per task: recall 3, ppl_records 1." in (out / "report.md").read_text()
+    bad = recipe(tmp_path, models, output_dir=str(tmp_path / "bad"), task_limits={"tinyworld_recal": 1})
+    with pytest.raises(EvalError, match="task_limits: 'tinyworld_recal' not in suite 'tiny-test'"):
+        run_eval(bad, progress=False)
+    assert not (tmp_path / "bad").exists()
+    with pytest.raises(RecipeError, match="task_limits.tinyworld_recall: must be >= 1"):
+        recipe(tmp_path, models, task_limits={"tinyworld_recall": 0})
+
+
 def test_unknown_task_fails_before_any_model_runs(models, tmp_path):
     r = recipe(tmp_path, models, suite=str(small_suite(tmp_path, [{"task": "tinyworld_recal"}], "bad.yaml")))
     with pytest.raises(EvalError, match="tinyworld_recal.*did you mean 'tinyworld_recall'"):

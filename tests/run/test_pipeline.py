@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from ecomla.eval.runner import EvalError
 from ecomla.recipe.schema import RecipeError, load_recipe
 from ecomla.run.pipeline import plan, run
 from ecomla.run.recipe import RunRecipe
@@ -212,4 +213,12 @@ def test_a_linear_latent_distilled_with_lora_is_refused_at_plan_time(world, tmp_
     r.distill["train"]["mode"] = "lora"
     with pytest.raises(RecipeError, match=r"convert \(at 4.0x\)\.mla\.latent_norm: convert-4x-svd is distilled with LoRA"):
         plan(r)
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_eval_task_limit_for_a_task_outside_the_suite_is_refused_before_any_stage(world, tmp_path):
+    r = run_recipe(world, tmp_path / "run", inits=["svd"])
+    r.eval["task_limits"] = {"tinyworld_recal": 5}
+    with pytest.raises(EvalError, match="task_limits: 'tinyworld_recal' not in suite"):
+        run(r, progress=False)
     assert not (tmp_path / "run").exists()
