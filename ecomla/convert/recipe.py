@@ -148,9 +148,9 @@ class MLAConfig:
         "latent is scaled down until its mean square stays below 1/1000 of the norm's epsilon, where RMSNorm is a "
         "fixed scale to within 0.05%, so the per-token rescaling disappears at every width. The output then sets "
         "rms_norm_eps to the 1e-6 transformers hard-codes for kv_a_layernorm, so engines that read the epsilon from "
-        "the config (llama.cpp, vLLM) scale the latent the same way (docs/convert.md#the-latent-norm). Linear is for "
-        "checkpoints served without training: `ecomla distill` refuses it, since weights that small do not survive "
-        "AdamW steps",
+        "the config (llama.cpp, vLLM) scale the latent the same way (docs/convert.md#the-latent-norm). A linear student "
+        "trains under train.mode full or stages, whose AdamW groups are scaled for weights that small; "
+        "train.mode lora refuses it (docs/distill.md)",
     )
     rope_allocation: RopeAllocation = knob(
         "fixed",
