@@ -43,7 +43,7 @@ def convert(args, preset: str, out: Path) -> None:
     import bench_init
 
     r_kv, d_r = parse_budget(args.budget)
-    off = {"mla": {"latent_norm": args.latent_norm}} if args.latent_norm and preset == "best" else None
+    off = {"mla": {"latent_norm": args.latent_norm}} if args.latent_norm else None
     bench_init.convert(args, preset, r_kv, d_r, out, off)
 
 
@@ -217,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inits", nargs="+", default=["xecomla", "best"], choices=list(presets.PRESET_NAMES),
                    help="conversion presets, one student each (default: xecomla best)")
     p.add_argument("--latent-norm", choices=["linear", "normalize"], default=None,
-                   help="override best's mla.latent_norm (default: the preset's, linear)")
+                   help="override every preset's mla.latent_norm (default: each preset's own: linear for best, "
+                   "normalize for the peers)")
     p.add_argument("--tokens", type=int, default=40960, help="distillation tokens per student")
     p.add_argument("--measure-every", type=int, default=8192, help="measure every this many tokens")
     p.add_argument("--global-batch-tokens", type=int, default=2048, help="tokens per optimizer step")
