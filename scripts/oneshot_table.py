@@ -5,9 +5,9 @@
         --latent-norms linear
 
 For each recipe (init.method x mla.rope_dims x mla.rope_key), each mla.latent_norm and each budget r_kv + d_r,
-it converts the model with `ecomla convert`'s own code (activation inits calibrate on `pytext:calibration`), then measures the
-converted model against the source on held-out blocks of both pytext domains: perplexity, KL(source‖converted)
-and top-1 agreement per token. Each cell is written to OUT/cells/NAME.json as it finishes, and a rerun
+it converts the model with `ecomla convert`'s own code (activation inits calibrate on `pytext:calibration`), then
+measures the converted model against the source on held-out blocks of both pytext domains: perplexity,
+KL(source‖converted) and top-1 agreement per token. Each cell is written to OUT/cells/NAME.json as it finishes, and a rerun
 reuses the cells whose settings match, so an interrupted run resumes. Writes OUT/table.md, OUT/table.json and
 OUT/chart.png (held-out perplexity against compression, one line per recipe, one panel per domain and latent
 norm).
@@ -187,11 +187,6 @@ def plot(rows: list[dict], source: dict, path: Path, key: str = "recipe", names=
     plt.close(fig)
 
 
-def norm_of(row: dict) -> str:
-    """A cell's mla.latent_norm (cells written before the table had the column were all normalize)."""
-    return row.get("latent_norm", "normalize")
-
-
 def table(rows: list[dict], source: dict) -> str:
     lines = [f"Source: held-out perplexity {source['prose']:.2f} (prose), {source['code']:.2f} (code).", "",
              "| recipe | init | rope_dims | rope_key | latent_norm | r_kv + d_r | ratio | ppl prose | ppl code | KL prose "
@@ -199,7 +194,7 @@ def table(rows: list[dict], source: dict) -> str:
     for r in sorted(rows, key=lambda r: (r["compression"], r["budget"], r["prose"]["converted_perplexity"])):
         method, dims, key = RECIPES[r["recipe"]]
         p, c = r["prose"], r["code"]
-        lines.append(f"| {r['recipe']} | {method} | {dims} | {key} | {norm_of(r)} | {r['budget']} "
+        lines.append(f"| {r['recipe']} | {method} | {dims} | {key} | {r['latent_norm']} | {r['budget']} "
                      f"| {r['compression']:.2f}× | {p['converted_perplexity']:,.1f} | {c['converted_perplexity']:,.1f} "
                      f"| {p['kl_source_to_converted']:.3f} | {c['kl_source_to_converted']:.3f} "
                      f"| {p['top1_agreement']:.1%} | {c['top1_agreement']:.1%} | {r['seconds']:.0f} |")
@@ -215,7 +210,7 @@ def trends(rows: list[dict]) -> list[str]:
     ratio, and whether it grows with every step of compression on both."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        groups.setdefault((r["recipe"], norm_of(r), r["qk_rope_head_dim"]), []).append(r)
+        groups.setdefault((r["recipe"], r["latent_norm"], r["qk_rope_head_dim"]), []).append(r)
     lines = ["Does error grow with compression? KL(source‖converted), prose / code, at each ratio of one d_r:", "",
              "| recipe | latent_norm | d_r | KL by ratio | grows |", "|---|---|---|---|---|"]
     order = {name: i for i, name in enumerate(RECIPES)}
@@ -236,7 +231,7 @@ def ranking(rows: list[dict]) -> list[str]:
     lines = ["Rank at each ratio (mean KL of the two domains, lowest first):", ""]
     for ratio in sorted({round(r["compression"], 2) for r in rows}):
         cells = sorted((r for r in rows if round(r["compression"], 2) == ratio), key=mean_kl)
-        lines.append(f"- {ratio:.2f}×: " + ", ".join(f"{i}. {r['recipe']} {norm_of(r)} {r['budget']} ({mean_kl(r):.2f})"
+        lines.append(f"- {ratio:.2f}×: " + ", ".join(f"{i}. {r['recipe']} {r['latent_norm']} {r['budget']} ({mean_kl(r):.2f})"
                                                       for i, r in enumerate(cells, 1)))
     return lines
 
@@ -276,11 +271,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def write_outputs(out: Path, rows: list[dict], source: dict) -> int:
     for row in rows:
-        row.setdefault("latent_norm", norm_of(row))
+        row.setdefault("latent_norm", "normalize")  # cells written before the table had the column
     (out / "table.json").write_text(json.dumps({"source": source, "rows": rows}, indent=2) + "\n")
-    (out / "table.md").write_text(table(rows, source))
+    text = table(rows, source)
+    (out / "table.md").write_text(text)
     plot(rows, source, out / "chart.png", split="latent_norm", splits=LATENT_NORMS, by_rope_dim=True)
-    print(table(rows, source), end="")
+    print(text, end="")
     print(f"wrote {out}/table.md, table.json and chart.png")
     return 0
 

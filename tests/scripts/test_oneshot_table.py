@@ -1,7 +1,7 @@
 """scripts/oneshot_table.py on a tiny random Llama: every recipe at a budget, one table, and a resumable rerun.
 
-Proves: each recipe, with each latent norm, converts and is measured on both pytext domains against the source (the source against
-itself agrees exactly); the wider latent of the same recipe is no worse on KL; a rerun reuses every cell,
+Proves: each recipe, with each latent norm, converts and is measured on both pytext domains against the source
+(the source against itself agrees exactly); the wider latent of the same recipe is no worse on KL; a rerun reuses every cell,
 and --table-only rebuilds the same table from the cells alone.
 """
 
