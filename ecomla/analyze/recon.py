@@ -147,7 +147,7 @@ def run_recon(recipe: ReconRecipe, *, force: bool = False, progress: bool = True
             res, _ = fit_layer(plan, i, kv_only, y_fit[:n], torch.Generator())
             for h_idx, y in enumerate(ys_held):
                 errors[n_idx][h_idx].append(
-                    kv_errors(geo, split, kv_only, res.tensors, y * geo.input_gain, res.rope.head_scale,
+                    kv_errors(geo, split, kv_only, res.tensors, y, res.rope.head_scale,
                               res.rope.residual))
         layer = runner.build(i, t)
         h_fit = runner.run(layer, h_fit, recipe.batch_size)

@@ -20,13 +20,17 @@ def kv_errors(geo: MLAGeometry, split: RopeSplit, src: SourceAttention, tensors:
     both exclude biases, which the conversion carries exactly. With `rope_residual: latent` (residual, the
     `SharedRopeKey.residual` rows) the latent's residual dims are added back to the RoPE part: the key as
     the scores see it at relative position 0, where the residual's missing rotation does not matter.
+
+    y (N, d) is the unit-gain attention input the source's rows read; the converted rows read it times
+    geo.input_gain (a linear latent's γ, 1 otherwise), so both sides are compared at the source's scale.
     """
     y = y.double()
+    y_out = y * geo.input_gain  # what the converted layer's projections see (they are stored ×1/γ)
     n, nope, qk_nope, d_h, r = geo.n_heads, geo.nope_dim, geo.qk_nope_head_dim, geo.head_dim, geo.kv_lora_rank
     kv_a = tensors["kv_a_proj_with_mqa.weight"].double()
-    lat = latent.rms_normalize(y @ kv_a[:r].T)
+    lat = latent.rms_normalize(y_out @ kv_a[:r].T)
     kv_hat = (lat @ tensors["kv_b_proj.weight"].double().T).view(-1, n, qk_nope + d_h)
-    kr_hat = (y @ kv_a[r:].T)[:, None].expand(-1, n, -1)  # (N, n_h, d_r): the shared key ...
+    kr_hat = (y_out @ kv_a[r:].T)[:, None].expand(-1, n, -1)  # (N, n_h, d_r): the shared key ...
     if rope_scale is not None:  # ... as each head's scores see it (RoRoPE scales the query side per KV group)
         kr_hat = kr_hat * rope_scale.repeat_interleave(geo.n_rep, dim=0)[None].to(kr_hat.dtype)
     if geo.residual_dim:  # ... plus the residual carried by the latent

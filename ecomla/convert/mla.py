@@ -117,7 +117,7 @@ class MLATransform:
         if self.h_src is not None or self.refit:
             converted = self.cvt_runner.build(i, {k: v.float() for k, v in out.items()})
         if self.h_src is not None:
-            y_held = normalized_input(self.h_src, self.eps) * geo.input_gain
+            y_held = normalized_input(self.h_src, self.eps)
             k_err, v_err = kv_errors(geo, split, src, res.tensors, y_held, res.rope.head_scale, res.rope.residual)
             entry.update(heldout_key_rel_error=k_err, heldout_value_rel_error=v_err)
             self.h_cvt = self.cvt_runner.run(converted, self.h_cvt, self.batch)

@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 from transformers import DeepseekV3Config, PretrainedConfig
 
+from ecomla.convert import layout
+from ecomla.convert.layout import LinearLatent
 from ecomla.convert.recipe import ConvertRecipe
 from ecomla.convert.source import FAMILIES, LayerRunner, SourceModel, inspect_source, rotary_embedding
 from ecomla.convert.to_mla import MLAGeometry, SourceAttention, kv_rows, rope_key, source_pair_spectra
@@ -222,8 +224,8 @@ def _mla_plan(recipe: ConvertRecipe, source: SourceModel, d_r: int, kv_lora_rank
     if mla.latent_norm == "linear":
         # The latent a·Q·y sits in kv_a_layernorm's linear regime; a is split between the input gain γ and the
         # latent rows (latent.linear_input_gain).
-        geometry = replace(geometry, latent_scale=latent.linear_latent_scale(geometry.kv_lora_rank, shape.hidden_size),
-                           input_gain=latent.linear_input_gain(geometry.kv_lora_rank, shape.hidden_size))
+        linear = LinearLatent.for_width(geometry.kv_lora_rank, shape.hidden_size)
+        geometry = replace(geometry, latent_scale=linear.scale, input_gain=linear.input_gain)
     config = deepseek_config(recipe, source, geometry, rope_parameters, out_dtype)
     geometry = replace(geometry, query_scale=query_scale(shape.head_dim, config))
     if mla.rope_residual_context is not None:
@@ -314,6 +316,8 @@ def deepseek_config(recipe: ConvertRecipe, source: SourceModel, geo: MLAGeometry
     )
     cfg.architectures = ["DeepseekV3ForCausalLM"]
     cfg.dtype = out_dtype
+    if geo.latent_scale != 1.0:  # the layout travels with the checkpoint (convert/layout.py)
+        layout.write(cfg, layout.LinearLatent(scale=geo.latent_scale, input_gain=geo.input_gain))
     return cfg
 
 

@@ -18,22 +18,6 @@ from ecomla.mla.rope_key import RopeAllocation, RopeKey, RopeResidual
 from ecomla.recipe.schema import knob
 
 
-# How a linear latent (mla.latent_norm: linear) trains, and why not under LoRA; `ecomla convert` prints it,
-# `ecomla distill` and `ecomla run` refuse a LoRA run of such a student with it (docs/distill.md).
-LINEAR_LATENT_LORA = (
-    "mla.latent_norm: linear keeps the latent at about 1e-5 of its natural scale, inside kv_a_layernorm's epsilon, "
-    "through input_layernorm and kv_a_proj_with_mqa weights of about 1e-3, and query rows stored x1/gain. Full and "
-    "staged training give those tensors their own AdamW groups (lr, eps and weight decay scaled, the latent rows "
-    "frozen), but LoRA adapters on them would train at the wrong scale. Distill it with train.mode: full or stages, "
-    "or convert with mla.latent_norm: normalize (e.g. --set mla.latent_norm=normalize)"
-)
-
-
-def linear_latent(report: dict) -> bool:
-    """Whether a conversion report's recipe kept the latent in the norm's linear regime."""
-    return ((report.get("recipe") or {}).get("mla") or {}).get("latent_norm") == "linear"
-
-
 @dataclass
 class TextSource:
     """A text dataset used for calibration or evaluation."""
@@ -148,9 +132,10 @@ class MLAConfig:
         "latent is scaled down until its mean square stays below 1/1000 of the norm's epsilon, where RMSNorm is a "
         "fixed scale to within 0.05%, so the per-token rescaling disappears at every width. The output then sets "
         "rms_norm_eps to the 1e-6 transformers hard-codes for kv_a_layernorm, so engines that read the epsilon from "
-        "the config (llama.cpp, vLLM) scale the latent the same way (docs/convert.md#the-latent-norm). A linear student "
-        "trains under train.mode full or stages, whose AdamW groups are scaled for weights that small; "
-        "train.mode lora refuses it (docs/distill.md)",
+        "the config (llama.cpp, vLLM) scale the latent the same way (docs/convert.md#the-latent-norm). config.json "
+        "records the layout (ecomla_linear_latent), so every later checkpoint carries it. A linear student trains "
+        "under train.mode full or stages, which train each scaled tensor at its natural size; train.mode lora "
+        "refuses it (docs/distill.md)",
     )
     rope_allocation: RopeAllocation = knob(
         "fixed",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ecomla.convert.recipe import LINEAR_LATENT_LORA, linear_latent
+from ecomla.convert.layout import LINEAR_LATENT_LORA, report_says_linear
 from ecomla.mla.budget import format_ratio
 
 
@@ -65,7 +65,7 @@ def mla_lines(report: dict) -> list[str]:
             f"{held['converted_perplexity']:.3f} (converted); KL {held['kl_source_to_converted']:.4f}; "
             f"top-1 agreement {held['top1_agreement']:.1%}"
         )
-    if linear_latent(report):
+    if report_says_linear(report):
         lines.append(f"  note: {LINEAR_LATENT_LORA}")
     lines.append(f"  took {report['seconds']:.1f}s; report: {report['output_dir']}/conversion_report.json")
     return lines

@@ -8,19 +8,17 @@ construction with their weight initialization intact (the caller keeps an
 
 from __future__ import annotations
 
-import json
+import contextlib
 import shutil
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from ecomla.convert.recipe import LINEAR_LATENT_LORA, linear_latent
+from ecomla.convert import layout
 from ecomla.errors import UserError
 from ecomla.io.checkpoint import TOKENIZER_FILES, resolve_model_dir
-from ecomla.mla import latent
 
 
 class ModelSetupError(UserError, ValueError):
@@ -62,56 +60,98 @@ def check_pair(student_cfg, teacher_cfg, student_tok, teacher_tok) -> list[str]:
     return problems
 
 
-def _conversion_report(path: str | None) -> dict | None:
-    """An `ecomla convert` output's conversion report (None: a hub name or another tool's checkpoint)."""
-    file = Path(path).expanduser() / "conversion_report.json" if path else None
-    if file is None or not file.is_file():
+def untrainable_student(path: str | None, mode: str) -> str | None:
+    """Why a student cannot be trained in train.mode `mode` (None: it can): LoRA on a linear latent."""
+    if path is None or mode != "lora":
         return None
     try:
-        return json.loads(file.read_text())
-    except (OSError, ValueError):
+        config = AutoConfig.from_pretrained(resolve_model_dir(path))
+    except Exception:  # noqa: BLE001 - loading the student reports it properly, with its own message
         return None
-
-
-def untrainable_student(path: str | None, mode: str) -> str | None:
-    """Why an `ecomla convert` output cannot be trained in train.mode `mode` (None: it can)."""
-    report = _conversion_report(path)
-    if report is not None and linear_latent(report) and mode == "lora":
-        return f"student {path}: {LINEAR_LATENT_LORA}"
+    if layout.linear_latent_of(config, path) is not None:
+        return f"student {path}: {layout.LINEAR_LATENT_LORA}"
     return None
 
 
-@dataclass(frozen=True)
-class StoredScale:
-    """A parameter stored at `scale` × its natural size, whose first `frozen_rows` rows never train."""
+class NaturalScale(torch.nn.Module):
+    """A parametrization weight = natural · s (s per row, powers of two): the optimizer sees and trains
+    `natural`, the tensor at the size it would have in a normalized-latent model, while the model computes
+    with the stored weight. Powers of two make stored → natural → stored exact in every float format."""
 
-    scale: float
-    frozen_rows: int = 0
+    def __init__(self, scale: torch.Tensor):
+        super().__init__()
+        self.register_buffer("scale", scale, persistent=False)  # (rows,)
+
+    def factor(self, like: torch.Tensor) -> torch.Tensor:
+        return self.scale.to(like.dtype).view(-1, *[1] * (like.dim() - 1))  # (rows, 1, ...)
+
+    def forward(self, natural: torch.Tensor) -> torch.Tensor:
+        if natural.numel() == 0:  # a ZeRO-3 partitioned placeholder read outside a forward (e.g. by repr)
+            return natural
+        return natural * self.factor(natural)
 
 
-def stored_scales(path: str | None, config) -> dict[str, StoredScale]:
-    """The parameters of a linear-latent student (its conversion report says `mla.latent_norm: linear`) that
-    are stored off their natural scale, by name; empty for any other model.
-
-    The latent's scale a ≈ 1e-5 is split between the input gain γ (input_layernorm, ≈ 1e-3) and the latent
-    rows of kv_a_proj_with_mqa, and the query and RoPE-key rows, which read the same input, are stored ×1/γ.
-    AdamW moves an entry by about lr per step whatever its size, so the trainer gives each such tensor
-    lr·s, eps/s and weight_decay/s: AdamW on s·w is then AdamW on w itself. The latent rows (stored at γ, in
-    the same tensor as the RoPE-key rows at 1/γ) cannot share one scale, so they are frozen: the fitted
-    latent basis stays, and kv_b_proj learns on top of it.
-    """
-    report = _conversion_report(path)
-    if report is None or not linear_latent(report):
+def natural_scales(config, path: str | None) -> dict[str, torch.Tensor]:
+    """Per-row scales (powers of two) of the student's parameters stored off their natural size, by name; empty
+    unless the checkpoint is a linear latent (its config records it, or an older one's conversion report)."""
+    linear = layout.linear_latent_of(config, path)
+    if linear is None:
         return {}
-    gain = latent.linear_input_gain(config.kv_lora_rank, config.hidden_size)
-    query = "q_a_proj" if getattr(config, "q_lora_rank", None) else "q_proj"
-    scales = {}
-    for i in range(config.num_hidden_layers):
-        layer = f"model.layers.{i}."
-        scales[layer + "input_layernorm.weight"] = StoredScale(gain)
-        scales[layer + f"self_attn.{query}.weight"] = StoredScale(1 / gain)
-        scales[layer + "self_attn.kv_a_proj_with_mqa.weight"] = StoredScale(1 / gain, frozen_rows=config.kv_lora_rank)
-    return scales
+    return {n: torch.exp2(torch.round(torch.log2(s))) for n, s in linear.stored_scales(config).items()}
+
+
+def train_at_natural_scale(model, scales: dict[str, torch.Tensor], zero3: bool) -> None:
+    """Divide each named parameter by its scale and register `NaturalScale` on it, in place: from here on the
+    parameter (now `<module>.parametrizations.<name>.original`) holds the natural weights that AdamW trains.
+
+    Under ZeRO-3 each parameter is gathered for the division (rank 0's result is kept)."""
+    from torch.nn.utils import parametrize
+
+    for name, scale in scales.items():
+        module_name, _, attr = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        param = getattr(module, attr)
+        ctx = contextlib.nullcontext()
+        if zero3:
+            import deepspeed
+
+            ctx = deepspeed.zero.GatheredParameters([param], modifier_rank=0)
+        with ctx, torch.no_grad():
+            param.div_(scale.to(param.dtype).view(-1, *[1] * (param.dim() - 1)))
+        # unsafe: no trial call, which a ZeRO-3 parameter (partitioned, empty here) could not answer
+        parametrize.register_parametrization(module, attr, NaturalScale(scale), unsafe=True)
+
+
+def natural_parameter(model, name: str) -> torch.nn.Parameter:
+    """The trainable tensor behind parameter `name` (its natural-scale original when `NaturalScale` wraps it)."""
+    module_name, _, attr = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    if hasattr(module, "parametrizations") and attr in module.parametrizations:
+        return module.parametrizations[attr].original
+    return getattr(module, attr)
+
+
+def stock_name(name: str) -> str:
+    """A parameter's name as the checkpoint stores it (`a.parametrizations.weight.original` -> `a.weight`)."""
+    return name.replace(".parametrizations.", ".").removesuffix(".original")
+
+
+def stock_state_dict(model, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` (the model's state_dict) under the stock names: each natural-scale original multiplied back by its
+    scale, as `<module>.<name>`, so the checkpoint is what transformers and the engines load."""
+    marker = ".parametrizations."
+    out = {}
+    for key, value in state.items():
+        if marker not in key:
+            out[key] = value
+            continue
+        module_name, rest = key.split(marker, 1)
+        attr, tail = rest.split(".", 1)
+        if tail != "original":
+            raise ValueError(f"{key}: only single-tensor parametrizations are exported")
+        wrap = model.get_submodule(module_name).parametrizations[attr][0]
+        out[f"{module_name}.{attr}"] = value * wrap.factor(value).to(value.device)
+    return out
 
 
 def freeze_rows(param: torch.nn.Parameter, rows: int) -> None:
@@ -125,19 +165,12 @@ def freeze_rows(param: torch.nn.Parameter, rows: int) -> None:
     param.register_hook(hook)
 
 
-def adamw_groups(params: Sequence[torch.nn.Parameter], names: Sequence[str], stage_of: Sequence[int],
-                 scales: dict[str, StoredScale], weight_decay: float, eps: float = 1e-8) -> list[dict]:
-    """AdamW parameter groups, one per (first stage, stored scale), each with its `first_stage` and `lr_scale`.
-
-    A group of parameters stored at scale s gets eps/s and weight_decay/s (its lr is multiplied by s each step),
-    so its updates are those of the same parameters at their natural size.
-    """
-    keys = [(g, scales[n].scale if n in scales else 1.0) for n, g in zip(names, stage_of)]
+def adamw_groups(params: Sequence[torch.nn.Parameter], stage_of: Sequence[int | None]) -> list[dict]:
+    """AdamW parameter groups, one per first stage, each with its `first_stage` (the trainer zeroes the lr of a
+    group until its stage starts)."""
     groups = []
-    for first, s in sorted({k for k in keys if k[0] is not None}):
-        members = [p for p, k in zip(params, keys) if k == (first, s)]
-        groups.append({"params": members, "first_stage": first, "lr_scale": s, "eps": eps / s,
-                       "weight_decay": weight_decay / s})
+    for first in sorted({g for g in stage_of if g is not None}):
+        groups.append({"params": [p for p, g in zip(params, stage_of) if g == first], "first_stage": first})
     return groups
 
 
@@ -184,7 +217,7 @@ def export_model(model, state_dict: dict[str, torch.Tensor], out: Path, tokenize
         clone = clone.merge_and_unload()
         clone.save_pretrained(tmp)
     else:
-        model.save_pretrained(tmp, state_dict=state_dict)
+        model.save_pretrained(tmp, state_dict=stock_state_dict(model, state_dict))
     if tokenizer_dir is not None:
         for name in TOKENIZER_FILES:
             src = tokenizer_dir / name

@@ -97,6 +97,11 @@ class TrainConfig:
     )
     stages: list[StageConfig] = knob(default_factory=list, help="mode=stages: e.g. attention first, then all")
     lora: LoraConfig = knob(default_factory=LoraConfig, help="mode=lora settings")
+    latent_basis: Literal["train", "freeze"] = knob(
+        "train", help="A linear-latent student's latent basis (the first kv_lora_rank rows of kv_a_proj_with_mqa): "
+        "train it at its natural size like every other scaled tensor, or freeze it (only kv_b_proj and the rest "
+        "learn). Other students have no such rows"
+    )
     total_tokens: int = knob(help="Tokens to train on (the step count is derived from the global batch)")
     global_batch_tokens: int = knob(393216, help="Tokens per optimizer step over all ranks (X-EcoMLA: 192 × 2048)")
     micro_batch_size: int = knob(4, help="Sequences per rank per forward pass")

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from ecomla.convert import layout
 from ecomla.data.packing import target_mask
 from ecomla.data.sampler import StepSampler
 from ecomla.distill import models
@@ -207,7 +208,18 @@ class DistillRun:
             student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if r.train.mode == "lora":
             student = models.apply_lora(student, r.train.lora)
-        names, params = zip(*[(n, p) for n, p in student.named_parameters() if p.requires_grad])
+        # A linear-latent student stores its scale in some weights (convert/layout.py): each trains at its
+        # natural size through a NaturalScale parametrization, and the layout is written into the config that
+        # the export saves, also for a checkpoint that only its conversion report described.
+        linear = layout.linear_latent_of(student.config, r.student)
+        scales = models.natural_scales(student.config, r.student)  # a LoRA run of such a student was refused
+        models.train_at_natural_scale(student, scales, zero3=r.deepspeed.zero_stage == 3)
+        layout.write(student.config, linear)
+        if linear is not None and r.train.latent_basis == "freeze":
+            for name in scales:
+                if name.endswith("kv_a_proj_with_mqa.weight"):
+                    models.freeze_rows(models.natural_parameter(student, name), student.config.kv_lora_rank)
+        names, params = zip(*[(models.stock_name(n), p) for n, p in student.named_parameters() if p.requires_grad])
         if r.train.mode == "stages":
             stage_of = models.stage_groups(names, [s.trainable for s in r.train.stages])
             for p, g in zip(params, stage_of):
@@ -217,17 +229,10 @@ class DistillRun:
         else:
             stage_of = [0] * len(names)
             self.stage_bounds = np.array([1.0])
-        # A linear-latent student stores some tensors off their natural scale: each gets its own group (and the
-        # latent rows are frozen), so AdamW trains it as it would the same model at natural scale.
-        scales = models.stored_scales(r.student, student.config)  # a LoRA run of such a student was refused
-        for name, p in zip(names, params):
-            if name in scales and scales[name].frozen_rows and p.requires_grad:
-                models.freeze_rows(p, scales[name].frozen_rows)
-        groups = models.adamw_groups(params, names, stage_of, scales, r.train.weight_decay)
-        opt = torch.optim.AdamW([{k: g[k] for k in ("params", "eps", "weight_decay")} for g in groups],
-                                lr=r.train.lr, betas=tuple(r.train.betas))
+        groups = models.adamw_groups(params, stage_of)
+        opt = torch.optim.AdamW([{"params": g["params"]} for g in groups], lr=r.train.lr,
+                                betas=tuple(r.train.betas), weight_decay=r.train.weight_decay)
         self.group_first_stage = [g["first_stage"] for g in groups]
-        self.group_lr_scale = [g["lr_scale"] for g in groups]
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=student, optimizer=opt, config=self.ds_config)
         if teacher_model is not None:
             if r.deepspeed.zero_stage == 3:
@@ -247,8 +252,8 @@ class DistillRun:
         t = self.recipe.train
         lr = lr_at(step, self.total_steps, t.lr, t.warmup_ratio, t.min_lr_ratio)
         stage = self.stage_at(step)
-        for group, first, scale in zip(self.optimizer.param_groups, self.group_first_stage, self.group_lr_scale):
-            group["lr"] = lr * scale if first <= stage else 0.0
+        for group, first in zip(self.optimizer.param_groups, self.group_first_stage):
+            group["lr"] = lr if first <= stage else 0.0
         return lr
 
     def _loss_sums(self, batch: dict, indices: list[int], teacher=None, spec: LossConfig | None = None):

@@ -94,7 +94,8 @@ def _cache_inputs(sub) -> dict:
 
 def plan(recipe: RunRecipe) -> list[Stage]:
     """Every convert and distill stage, resolved and keyed; recipe problems raise before anything runs."""
-    from ecomla.convert.recipe import LINEAR_LATENT_LORA, ConvertRecipe
+    from ecomla.convert.layout import LINEAR_LATENT_LORA
+    from ecomla.convert.recipe import ConvertRecipe
     from ecomla.distill.recipe import DistillRecipe
 
     out = Path(recipe.output_dir) / "stages"

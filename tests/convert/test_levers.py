@@ -140,18 +140,19 @@ def test_lever_keys_are_refused_where_they_would_be_ignored(source_factory, tmp_
     assert not (tmp_path / "out").exists()
 
 
-def test_one_adamw_step_breaks_a_linear_latent_unless_its_tensors_are_scaled(source_factory, tmp_path):
+def test_one_adamw_step_breaks_a_linear_latent_unless_it_trains_at_natural_scale(source_factory, tmp_path):
     """A linear latent lives at about 1e-5 of its natural scale, through weights of about 1e-3 (and query
-    rows stored x1/gain), and plain AdamW moves each weight by about lr per step whatever its size. One step at
-    lr 1e-4 on the converted model's own next-token loss moves the linear latent's logits far more than the
-    normalized latent's (SmolLM2 at 2.0x: KD loss 0.32 before one step, 13.6 after). The trainer's groups
-    (lr·s, eps/s for a tensor stored at s, the latent rows frozen) make its step as small as the normalized one."""
+    rows stored x1/gain, kv_b_proj x sqrt(eps)/scale), and plain AdamW moves each weight by about lr per step
+    whatever its size. One step at lr 1e-4 on the converted model's own next-token loss moves the linear latent's
+    logits far more than the normalized latent's (SmolLM2 at 2.0x: KD loss 0.32 before one step, 13.6 after).
+    The trainer's NaturalScale parametrization (every scaled tensor, the latent rows included, trained at its
+    natural size) makes its step as small as the normalized one."""
     from ecomla.distill import models
 
     src = source_factory("llama", max_position_embeddings=256)
     ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
     moved = {}
-    for case, latent_norm in (("normalize", "normalize"), ("linear", "linear"), ("linear, scaled", "linear")):
+    for case, latent_norm in (("normalize", "normalize"), ("linear", "linear"), ("linear, natural", "linear")):
         out = tmp_path / latent_norm
         if not out.exists():
             convert(src, out, mla={"kv_lora_rank": 16, "qk_rope_head_dim": 8, "latent_norm": latent_norm},
@@ -161,40 +162,52 @@ def test_one_adamw_step_breaks_a_linear_latent_unless_its_tensors_are_scaled(sou
         with torch.no_grad():
             before = model(ids).logits
         model.train()
-        if case == "linear, scaled":
-            names, params = zip(*model.named_parameters())
-            scales = models.stored_scales(str(out), model.config)
-            assert scales and all(n in names for n in scales)
-            for n, p in zip(names, params):
-                if n in scales and scales[n].frozen_rows:
-                    models.freeze_rows(p, scales[n].frozen_rows)
-            groups = models.adamw_groups(params, names, [0] * len(names), scales, 0.0)
-            for g in groups:
-                g["lr"] = 1e-4 * g.pop("lr_scale")
-                g.pop("first_stage")
-            opt = torch.optim.AdamW(groups, lr=1e-4)
-        else:
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
+        if case == "linear, natural":
+            scales = models.natural_scales(model.config, str(out))
+            assert scales and all(n in dict(model.named_parameters()) for n in scales)
+            models.train_at_natural_scale(model, scales, zero3=False)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
         model(ids, labels=ids).loss.backward()
         opt.step()
         model.eval()
         with torch.no_grad():
             moved[case] = (model(ids).logits - before).abs().max().item()
     assert moved["linear"] > 5 * moved["normalize"], moved  # measured: 2.69 against 0.24
-    assert moved["linear, scaled"] < 2 * moved["normalize"], moved
+    assert moved["linear, natural"] < 2 * moved["normalize"], moved
 
 
-def test_stored_scales_match_the_converted_weights(source_factory, tmp_path):
-    """The gain the trainer scales by is the one the converter wrote into input_layernorm."""
+def test_the_layout_is_in_the_config_and_its_natural_tensors_are_the_normalized_ones(source_factory, tmp_path):
+    """config.json records the linear latent's layout; divided by its scales, the stored tensors are those of the
+    same conversion with a normalized latent (unit input gain, orthonormal latent rows, the same kv_b_proj), so
+    AdamW sees one model whichever latent norm was chosen. A checkpoint from before the config key is read from
+    its conversion report."""
+    from ecomla.convert import layout
     from ecomla.distill import models
 
     src = source_factory("llama", max_position_embeddings=256)
-    convert(src, tmp_path / "m", mla={"kv_lora_rank": 16, "qk_rope_head_dim": 8, "latent_norm": "linear"},
-            init={"method": "svd"})
-    model = load(tmp_path / "m")
-    weights = dict(model.named_parameters())
-    for name, s in models.stored_scales(str(tmp_path / "m"), model.config).items():
-        if name.endswith("input_layernorm.weight"):
-            torch.testing.assert_close(weights[name], torch.full_like(weights[name], s.scale))
-    convert(src, tmp_path / "n", mla={"kv_lora_rank": 16, "qk_rope_head_dim": 8}, init={"method": "svd"})
-    assert models.stored_scales(str(tmp_path / "n"), load(tmp_path / "n").config) == {}
+    mla = {"kv_lora_rank": 16, "qk_rope_head_dim": 8}
+    convert(src, tmp_path / "m", mla={**mla, "latent_norm": "linear"}, init={"method": "svd"})
+    convert(src, tmp_path / "n", mla=mla, init={"method": "svd"})
+    lin, nrm = load(tmp_path / "m"), load(tmp_path / "n")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert layout.CONFIG_KEY in config and layout.CONFIG_KEY not in json.loads((tmp_path / "n" / "config.json").read_text())
+    found = layout.linear_latent_of(lin.config)
+    assert found == layout.LinearLatent.for_width(16, lin.config.hidden_size)
+    stored, normalized = dict(lin.named_parameters()), dict(nrm.named_parameters())
+    for name, s in found.stored_scales(lin.config).items():
+        natural = stored[name].detach() / s.view(-1, *[1] * (stored[name].dim() - 1))
+        ref = normalized[name].detach()
+        if name.endswith("kv_a_proj_with_mqa.weight"):
+            torch.testing.assert_close(natural[16:], ref[16:], rtol=1e-4, atol=1e-6)  # the RoPE-key rows
+            torch.testing.assert_close(natural[:16] @ natural[:16].T, torch.eye(16), rtol=0, atol=1e-4)  # orthonormal
+        else:  # kv_b_proj differs by the norm's ε alone: sqrt(1 + ε·width / (a²·r)) against 1
+            torch.testing.assert_close(natural, ref, rtol=2e-3, atol=1e-6)
+    assert models.natural_scales(nrm.config, str(tmp_path / "n")) == {}
+    # An older checkpoint: no key in config.json, the conversion report says linear
+    del config[layout.CONFIG_KEY]
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    old = load(tmp_path / "m")
+    assert layout.linear_latent_of(old.config) is None
+    assert layout.linear_latent_of(old.config, tmp_path / "m") == found
+
+

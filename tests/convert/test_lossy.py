@@ -72,3 +72,23 @@ def test_random_init_is_worse_than_svd(source_factory, tmp_path):
         convert(src_dir, tmp_path / method, mla={"kv_lora_rank": 32, "qk_rope_head_dim": 8}, init={"method": method})
         errs[method] = logit_error(src, load(tmp_path / method), src.config.vocab_size)
     assert errs["svd"] < errs["random"]
+
+
+def test_a_linear_latents_reported_errors_are_on_the_source_scale(source_factory, corpus_dir, tmp_path):
+    """The held-out K/V errors compare both sides at the source's scale, whichever latent norm stores the latent:
+    a linear latent's gain (about 1e-3) is undone, so its errors are relative errors below 1 like a normalized
+    latent's, and exact (≈0 for values) at full width, where the linear latent is exact too."""
+    src_dir = source_factory("llama", rms_norm_eps=1e-9)
+    cal = _calibration(corpus_dir)
+    errors = {}
+    for norm in ("normalize", "linear"):
+        for r in (16, 64):
+            rep = convert(src_dir, tmp_path / f"{norm}{r}", mla={"kv_lora_rank": r, "qk_rope_head_dim": 8,
+                                                                 "latent_norm": norm},
+                          init={"method": "activation", "calibration": cal})
+            errors[norm, r] = (_mean(rep, "heldout_key_rel_error"), _mean(rep, "heldout_value_rel_error"))
+    for r in (16, 64):
+        assert all(e < 1 for e in errors["linear", r]), errors
+    assert errors["linear", 64][1] < 1e-3 and errors["linear", 16][1] > 10 * errors["linear", 64][1], errors
+    # same fit, same subspace: the two norms' errors are of one size (linear has no per-token rescale to absorb)
+    assert errors["linear", 16][0] < 2 * errors["normalize", 16][0], errors

@@ -39,20 +39,28 @@ def test_one_process_kd_falls_and_exports_stock_checkpoint(world, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage, launcher", [(2, "deepspeed"), (3, "torchrun")])
-def test_two_processes_zero(world, tmp_path, stage, launcher):
+@pytest.mark.parametrize("stage, launcher, latent_norm", [(2, "deepspeed", "normalize"), (3, "torchrun", "normalize"),
+                                                          (2, "torchrun", "linear"), (3, "torchrun", "linear")])
+def test_two_processes_zero(world, tmp_path, stage, launcher, latent_norm):
+    """Two processes under ZeRO-2 and ZeRO-3 train and export the stock checkpoint; a linear latent's
+    natural-scale parametrization works on partitioned parameters too (ZeRO-3 gathers them for the division)."""
     out = tmp_path / f"z{stage}"
     config = str(w.ROOT / "recipes" / "deepspeed" / f"zero{stage}.json")
     r = w.recipe(world, out, deepspeed={"zero_stage": stage, "config": config}, train={"micro_batch_size": 1})
+    if latent_norm == "linear":
+        r["student"] = str(_linear_student(world, world["root"] / "linear"))
     proc = w.run(w.write_recipe(tmp_path / "r.yaml", r), procs=2, launcher=launcher)
     assert proc.returncode == 0, w.errors(proc)
     ok, losses = _falls(w.metrics(out))
     assert ok, losses
     model = AutoModelForCausalLM.from_pretrained(out / "final")
     assert type(model) is DeepseekV3ForCausalLM
-    student = AutoModelForCausalLM.from_pretrained(world["student"])
+    student = AutoModelForCausalLM.from_pretrained(r["student"])
     moved = max((a - b).abs().max().item() for a, b in zip(model.parameters(), student.parameters()))
     assert moved > 0  # the export holds the trained weights, not the initial ones
+    if latent_norm == "linear":  # exported at the stored scale again (a gain of ~1e-3, trained by a few %)
+        gain = student.model.layers[0].input_layernorm.weight
+        torch.testing.assert_close(model.model.layers[0].input_layernorm.weight, gain, rtol=0.1, atol=0)
 
 
 @pytest.mark.slow
@@ -259,26 +267,38 @@ def test_prepared_shards_train_like_in_memory_data(world, tmp_path):
         assert a["data"] == b["data"] and a["loss"] == pytest.approx(b["loss"], rel=1e-6)
 
 
-def test_a_linear_latent_student_trains_in_full_mode_and_is_refused_under_lora(world, tmp_path):
-    """A linear-latent student (weights of ~1e-3 carry its latent's scale): full training gives those tensors
-    scaled AdamW groups and freezes the latent rows, so its KD loss falls like any student's and the latent
-    basis stays as fitted; LoRA would train adapters at the wrong scale, so it is refused before compute."""
-    from safetensors.torch import load_file
-
+def _linear_student(world, path):
     from tests.convert.helpers import convert
 
-    student = tmp_path / "linear"
-    convert(world["root"] / "base", student, mla={"kv_lora_rank": 16, "qk_rope_head_dim": 8, "latent_norm": "linear"})
-    r = w.recipe(world, tmp_path / "run")
-    r["student"] = str(student)
-    proc = w.run(w.write_recipe(tmp_path / "r.yaml", r))
-    assert proc.returncode == 0, w.errors(proc)
-    ok, losses = _falls(w.metrics(tmp_path / "run"))
-    assert ok, losses
-    before, after = load_file(student / "model.safetensors"), load_file(tmp_path / "run" / "final" / "model.safetensors")
+    if not path.exists():
+        convert(world["root"] / "base", path, mla={"kv_lora_rank": 16, "qk_rope_head_dim": 8, "latent_norm": "linear"})
+    return path
+
+
+def test_a_linear_latent_student_trains_at_natural_scale_and_is_refused_under_lora(world, tmp_path):
+    """A linear-latent student (its latent's scale stored in weights of ~1e-3 to ~1e3): full training trains each
+    scaled tensor at its natural size, the latent basis included unless train.latent_basis says freeze, so its KD
+    loss falls like any student's; the export keeps the layout in config.json. LoRA would train adapters at the
+    wrong scale, so it is refused before compute."""
+    from safetensors.torch import load_file
+
+    from ecomla.convert import layout
+
+    student = _linear_student(world, tmp_path / "linear")
+    before = load_file(student / "model.safetensors")
     kv_a = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"
-    assert torch.equal(before[kv_a][:16], after[kv_a][:16])  # the latent rows: frozen
-    assert not torch.equal(before[kv_a][16:], after[kv_a][16:])  # the RoPE-key rows: trained
+    for basis in ("train", "freeze"):
+        r = w.recipe(world, tmp_path / basis, train={"latent_basis": basis})
+        r["student"] = str(student)
+        proc = w.run(w.write_recipe(tmp_path / f"{basis}.yaml", r))
+        assert proc.returncode == 0, w.errors(proc)
+        ok, losses = _falls(w.metrics(tmp_path / basis))
+        assert ok, losses
+        after = load_file(tmp_path / basis / "final" / "model.safetensors")
+        assert torch.equal(before[kv_a][:16], after[kv_a][:16]) == (basis == "freeze")  # the latent rows
+        assert not torch.equal(before[kv_a][16:], after[kv_a][16:])  # the RoPE-key rows: trained
+        config = json.loads((tmp_path / basis / "final" / "config.json").read_text())
+        assert config[layout.CONFIG_KEY] == json.loads((student / "config.json").read_text())[layout.CONFIG_KEY]
 
     r = w.recipe(world, tmp_path / "lora", train={"mode": "lora"})
     r["student"] = str(student)
@@ -286,3 +306,40 @@ def test_a_linear_latent_student_trains_in_full_mode_and_is_refused_under_lora(w
     assert proc.returncode == 2, w.errors(proc)
     assert "mla.latent_norm: linear" in proc.stderr and "train.mode: full" in proc.stderr, w.errors(proc)
     assert not (tmp_path / "lora" / "checkpoints").exists()
+
+
+def test_a_distilled_linear_student_distils_again_from_its_final(world, tmp_path):
+    """Two distillations in a row (e.g. ILD, then KD): the second starts from the first's final/, which has no
+    conversion report. Its config.json carries the layout, so the second run takes exactly the steps of a run
+    whose scale is known from the report; without either (the checkpoint as it was before) the steps differ."""
+    import shutil
+
+    from ecomla.convert import layout
+
+    student = _linear_student(world, tmp_path / "linear")
+    short = {"total_tokens": 256 * 4}
+    first = w.recipe(world, tmp_path / "first", train=short)
+    first["student"] = str(student)
+    proc = w.run(w.write_recipe(tmp_path / "first.yaml", first))
+    assert proc.returncode == 0, w.errors(proc)
+    final = tmp_path / "first" / "final"
+    assert not (final / "conversion_report.json").exists()
+    variants = {"final": final}
+    for name, report in (("known by its report", True), ("unknown", False)):
+        copy = tmp_path / name
+        shutil.copytree(final, copy)
+        config = json.loads((copy / "config.json").read_text())
+        del config[layout.CONFIG_KEY]
+        (copy / "config.json").write_text(json.dumps(config))
+        if report:
+            shutil.copy2(student / "conversion_report.json", copy)
+        variants[name] = copy
+    losses = {}
+    for name, start in variants.items():
+        second = w.recipe(world, tmp_path / f"second {name}", train=short)
+        second["student"] = str(start)
+        proc = w.run(w.write_recipe(tmp_path / f"second {name}.yaml", second))
+        assert proc.returncode == 0, w.errors(proc)
+        losses[name] = [x["loss"] for x in w.metrics(tmp_path / f"second {name}") if not x.get("final_eval")]
+    assert losses["final"] == losses["known by its report"], losses
+    assert losses["final"] != losses["unknown"], losses

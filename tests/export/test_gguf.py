@@ -133,3 +133,38 @@ def test_cli_export_gguf_help_and_errors(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["export", "gguf", str(tmp_path), str(tmp_path / "m.gguf"), "--outtype", "q4"])
     assert "invalid choice: 'q4'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_distilled_linear_latent_exports_with_its_scale(tmp_path, smol_tokenizer):
+    """The layout rides in config.json through a distillation: the distilled final/ (trained at natural scale, no
+    conversion report beside it) keeps rms_norm_eps 1e-6 and its layout key, and llama.cpp gives its logits."""
+    from ecomla.convert import layout
+    from ecomla.export import engine
+    from tests.distill import world as w
+
+    source = make_source(tmp_path / "llama", smol_tokenizer, hidden_size=128, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-5)
+    student = tmp_path / "linear"
+    convert(source, student, mla={"kv_lora_rank": 48, "qk_rope_head_dim": 16, "rope_dims": "high", "latent_norm": "linear"})
+    text = tmp_path / "text.jsonl"
+    gen = torch.Generator().manual_seed(1)
+    text.write_text("".join(json.dumps({"text": " ".join(f"w{int(i)}" for i in torch.randint(0, 500, (200,), generator=gen))})
+                            + "\n" for _ in range(8)))
+    recipe = {"student": str(student), "teacher": {"model": str(source)},
+              "data": {"train": {"dataset": str(text)}, "seq_len": 64},
+              "train": {"total_tokens": 256 * 3, "global_batch_tokens": 256, "micro_batch_size": 2, "lr": 3e-3,
+                        "warmup_ratio": 0.0, "precision": "fp32"},
+              "deepspeed": {"zero_stage": 0}, "checkpoint": {"every_steps": 0}, "log": {"tensorboard": False},
+              "output_dir": str(tmp_path / "run")}
+    proc = w.run(w.write_recipe(tmp_path / "r.yaml", recipe))
+    assert proc.returncode == 0, w.errors(proc)
+    final = tmp_path / "run" / "final"
+    cfg = json.loads((final / "config.json").read_text())
+    assert cfg["rms_norm_eps"] == 1e-6 and layout.CONFIG_KEY in cfg
+    ids = [int(i) for i in torch.randint(100, 40000, (48,), generator=torch.Generator().manual_seed(0))]
+    theirs = _hf_logits(final, ids)
+    assert np.abs(theirs - _hf_logits(student, ids)).max() > 1e-3  # it trained
+    gguf = export_gguf(final, tmp_path / "final.gguf", outtype="f32", quiet=True)
+    ours = engine.logits(engine.load(gguf, n_ctx=128, cache="f32"), ids)
+    assert float(np.abs(ours - theirs).max()) < 2e-4
