@@ -16,6 +16,12 @@ KL(a‖b) = Σ_v a_v·(log a_v − log b_v) with 0·log 0 = 0.
 The KD term is multiplied by T² so that its gradient scale does not change with T
 (Hinton et al., 2015). CE is on the hard targets at temperature 1.
 
+Intermediate-layer distillation (ILD) compares hidden states, not distributions: for
+each of the L layers, the student's output h_l and the source model's t_l at the same
+token, per token  (1/L)·Σ_l ‖h_l − t_l‖² / ‖t_l‖²  (`ild_per_token`), a relative error
+that is 0 when the student computes its source's layers and does not depend on how
+large the residual stream has grown at that token.
+
 Sparse teachers and the tail bucket. A dataset of saved teacher logits keeps only
 the top-k log-probs per token plus the log of the mass outside them. The two
 distributions are then compared after coarsening both onto k+1 buckets: the k
@@ -59,6 +65,20 @@ class KDLoss(str, enum.Enum):
     NONE = "none"  # no KD term: pure CE (`ecomla pretrain`)
 
 
+class ILDTarget(str, enum.Enum):
+    """Which output of each layer intermediate-layer distillation matches."""
+
+    BLOCK = "block"  # the decoder layer's output: the residual stream after the layer
+    ATTENTION = "attention"  # the attention module's output (after o_proj), before it joins the residual stream
+
+
+class ILDInputs(str, enum.Enum):
+    """What each student layer reads while ILD compares it."""
+
+    STUDENT = "student"  # its own previous layer's output: the drift of the layers below is in the comparison
+    SOURCE = "source"  # the source model's input to that layer (teacher forcing): each layer is fitted alone
+
+
 class LossConfigError(ValueError):
     """An invalid LossConfig; `problems` holds 'field: message' strings (the recipe loader reports each)."""
 
@@ -86,8 +106,25 @@ class LossConfig:
         "recomputation: 13% of a KD step on SmolLM2 on 2 CPU cores (scripts/bench_distill.py --real)"
     )
 
+    ild_weight: float = knob(
+        0.0, help="Weight of intermediate-layer distillation: per token, the mean over layers of ‖h − t‖²/‖t‖² "
+        "between each student layer's output and the source model's (teacher.ild_model). 0: off. With kd_weight "
+        "and ce_weight 0 the run trains on ILD alone (a first stage; KD and CE are still logged)"
+    )
+    ild_target: ILDTarget = knob(
+        ILDTarget.BLOCK, help="block: each decoder layer's output (the residual stream). attention: each attention "
+        "module's output, before the residual add"
+    )
+    ild_inputs: ILDInputs = knob(
+        ILDInputs.STUDENT, help="student: each student layer reads its own previous layer (the drift below it counts). "
+        "source: each reads the source's input to that layer (teacher forcing); only for ILD alone, since the "
+        "student's output then is no longer its own"
+    )
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", KDLoss(self.kind))  # a plain string is converted
+        object.__setattr__(self, "ild_target", ILDTarget(self.ild_target))
+        object.__setattr__(self, "ild_inputs", ILDInputs(self.ild_inputs))
         problems = self.check()
         if problems:
             raise LossConfigError(problems)
@@ -96,22 +133,36 @@ class LossConfig:
         problems = []
         if not self.temperature > 0:
             problems.append(f"temperature: must be > 0, got {self.temperature}")
-        for name in ("kd_weight", "ce_weight"):
+        for name in ("kd_weight", "ce_weight", "ild_weight"):
             if not getattr(self, name) >= 0:
                 problems.append(f"{name}: must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.mix <= 1:
             problems.append(f"mix: must be in [0, 1], got {self.mix}")
         if self.chunk_tokens < 1:
             problems.append(f"chunk_tokens: must be >= 1, got {self.chunk_tokens}")
-        if not (self.uses_teacher or self.ce_weight > 0):
-            problems.append(f"ce_weight: nothing to train with kind={self.kind.value}, kd_weight={self.kd_weight} "
-                            f"and ce_weight={self.ce_weight}; set ce_weight > 0 (CE only) or a KD term")
+        if not (self.uses_teacher or self.ce_weight > 0 or self.uses_ild):
+            problems.append(f"ce_weight: nothing to train with kind={self.kind.value}, kd_weight={self.kd_weight}, "
+                            f"ce_weight={self.ce_weight} and ild_weight={self.ild_weight}; set ce_weight > 0 (CE only), "
+                            "a KD term or an ILD weight")
+        if self.ild_inputs is ILDInputs.SOURCE and self.uses_ild and self.trains_output:
+            problems.append("ild_inputs: source (teacher forcing) trains on ILD alone; set kd_weight and ce_weight "
+                            "to 0, or use ild_inputs: student to add ILD to KD")
         return problems
 
     @property
     def uses_teacher(self) -> bool:
         """Whether the total loss has a KD term (and therefore needs a teacher)."""
         return self.kind is not KDLoss.NONE and self.kd_weight > 0
+
+    @property
+    def uses_ild(self) -> bool:
+        """Whether the total loss has an intermediate-layer term (and therefore needs the source model live)."""
+        return self.ild_weight > 0
+
+    @property
+    def trains_output(self) -> bool:
+        """Whether a term on the output distribution (KD or CE) is weighted in."""
+        return self.uses_teacher or self.ce_weight > 0
 
 
 @dataclass
@@ -256,14 +307,30 @@ def token_loss(
     return total, kd, ce
 
 
+def ild_per_token(student: list[Tensor], source: list[Tensor]) -> Tensor:
+    """Mean over layers of ‖h_l − t_l‖² / ‖t_l‖² per token: L pairs of (N, d) -> (N,) float32.
+
+    The source's layers carry no gradient; a token whose source state is all zeros compares against a norm of 1.
+    """
+    if len(student) != len(source) or not student:
+        raise ValueError(f"ILD needs the same number of layers on both sides, got {len(student)} and {len(source)}")
+    total = None
+    for h, t in zip(student, source):
+        t = t.detach().float()
+        err = (h.float() - t).square().sum(-1) / t.square().sum(-1).clamp_min(1e-12)  # (N,)
+        total = err if total is None else total + err
+    return total / len(student)
+
+
 @dataclass
 class LossSums:
     """Loss SUMS over a batch's tokens (0-dim float32); divide by the global token count."""
 
-    total: Tensor  # Σ kd_weight·kd + ce_weight·ce; backprop this (after normalizing)
+    total: Tensor  # Σ kd_weight·kd + ce_weight·ce (+ ild_weight·ild); backprop this (after normalizing)
     kd: Tensor  # Σ T²·D(p, q), for logging
     ce: Tensor  # Σ CE, for logging
     tokens: int  # N, the number of rows summed
+    ild: Tensor | None = None  # Σ of ild_per_token, for logging (None: no ILD term)
 
 
 def chunked_loss(

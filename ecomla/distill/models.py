@@ -60,6 +60,17 @@ def check_pair(student_cfg, teacher_cfg, student_tok, teacher_tok) -> list[str]:
     return problems
 
 
+def check_layers(student_cfg, source_cfg, what: str, path: str) -> str | None:
+    """ILD pairs each student layer with its source's: the same number of layers of the same width."""
+    want = (student_cfg.num_hidden_layers, student_cfg.hidden_size)
+    have = (source_cfg.num_hidden_layers, source_cfg.hidden_size)
+    if want != have:
+        return (f"{what}: {path} has {have[0]} layers of width {have[1]}, the student {want[0]} of width {want[1]}; "
+                "intermediate-layer distillation needs the model the student was converted from (set "
+                "teacher.ild_model to it)")
+    return None
+
+
 def untrainable_student(path: str | None, mode: str) -> str | None:
     """Why a student cannot be trained in train.mode `mode` (None: it can): LoRA on a linear latent."""
     if path is None or mode != "lora":

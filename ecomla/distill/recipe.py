@@ -66,6 +66,10 @@ class TeacherConfig:
     )
     model: str | None = knob(None, help="Teacher checkpoint (local directory or hub name); same tokenizer as the student")
     cache_dir: str | None = knob(None, help="Where `ecomla teacher-cache` writes and `source: cache` reads")
+    ild_model: str | None = knob(
+        None, help="loss.ild_weight > 0: the model whose layers the student's are matched to, the one it was "
+        "converted from (same layers and width). null: teacher.model (then one live forward serves KD and ILD)"
+    )
     cache_topk: int = knob(64, help="Log-probs kept per token in the cache; the rest is one tail bucket")
     dtype: Literal["auto", "float32", "bfloat16"] = knob("auto", help="auto: bf16 when the run is bf16, else fp32")
 
@@ -191,6 +195,12 @@ class DistillRecipe:
             problems.append("teacher.cache_dir: source=cache needs the cache directory")
         if self.train.mode == "lora" and self.student is None:
             problems.append("train.mode: lora needs a pretrained student checkpoint")
+        if self.loss.uses_ild and not (self.teacher.ild_model or self.teacher.model):
+            problems.append("teacher.ild_model: loss.ild_weight > 0 needs the model the student was converted from "
+                            "(set teacher.ild_model, or teacher.model when the teacher is that model)")
+        if self.loss.uses_ild and self.loss.ild_inputs.value == "source" and self.train.gradient_checkpointing:
+            problems.append("loss.ild_inputs: source feeds each layer through hooks that recomputation in backward "
+                            "would not see; turn train.gradient_checkpointing off for it")
         return problems
 
 

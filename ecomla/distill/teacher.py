@@ -17,6 +17,7 @@ T·k·8 + 4 bytes per sequence (k = 64: 516 bytes per token).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from collections.abc import Callable
@@ -27,6 +28,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ecomla.data.text import DataError
+from ecomla.distill.layers import LayerCatch
 from ecomla.distill.losses import TeacherDist
 
 TeacherFn = Callable[[int, int], TeacherDist]
@@ -48,8 +50,10 @@ class LiveTeacher:
         self.temperature = temperature
 
     @torch.no_grad()
-    def prepare(self, inputs: dict, valid: torch.Tensor, indices: list[int]) -> TeacherFn:
-        hidden = self.model.get_decoder()(**inputs).last_hidden_state  # (B, T, d_t)
+    def prepare(self, inputs: dict, valid: torch.Tensor, indices: list[int], catch: LayerCatch | None = None) -> TeacherFn:
+        """`catch`: also keep each layer's output of this forward (the teacher is the ILD source too)."""
+        with catch.on(self.model) if catch is not None else contextlib.nullcontext():
+            hidden = self.model.get_decoder()(**inputs).last_hidden_state  # (B, T, d_t)
         rows = hidden[valid]  # (N, d_t)
         head = self.model.get_output_embeddings()
         return lambda s, e: TeacherDist.from_logits(head(rows[s:e]), self.temperature)

@@ -43,7 +43,8 @@ from ecomla.data.sampler import StepSampler
 from ecomla.distill import models
 from ecomla.distill.data import model_inputs, open_dataset
 from ecomla.distill.ds_config import build_ds_config, teacher_ds_config
-from ecomla.distill.losses import KDLoss, LossConfig, chunked_loss
+from ecomla.distill.layers import LayerCatch
+from ecomla.distill.losses import ILDInputs, KDLoss, LossConfig, LossSums, chunked_loss, ild_per_token
 from ecomla.distill.monitor import RunLog
 from ecomla.distill.recipe import DistillRecipe
 from ecomla.distill.runtime import Dist, all_reduce_max, all_reduce_sum, barrier, init_distributed
@@ -106,22 +107,53 @@ def _set_rng_state(state: dict) -> None:
 
 
 def batch_loss(student, teacher, batch: dict, indices: list[int], spec: LossConfig, *, cross_document: bool,
-               dtype: torch.dtype, device: torch.device, chunk_tokens: int, sync_chunks: torch.device | None = None):
+               dtype: torch.dtype, device: torch.device, chunk_tokens: int, sync_chunks: torch.device | None = None,
+               ild_source=None):
     """Loss sums of one packed micro-batch (B, T): only target positions (same document, not padding, not
     prompt) reach the loss, and logits are computed `chunk_tokens` rows at a time.
+
+    `teacher`: a LiveTeacher or CachedTeacher, or None (no KD term and nothing to log it with). `ild_source`
+    (with spec.ild_weight > 0): the model whose layers ILD matches, or the string "teacher" when the live
+    teacher is that model (one forward serves both). With ILD alone (no KD or CE weight), KD and CE are still
+    computed, without gradient, for the log.
 
     `sync_chunks` (ZeRO-3 with several ranks): every head call gathers the head's weight collectively, so all
     ranks make the same number of calls, the largest any rank needs.
     """
     mi = model_inputs(batch, cross_document, dtype, device)
     valid = mi["valid"]
-    teacher_fn = teacher.prepare(mi["inputs"], valid, indices) if teacher is not None else None
-    hidden = student.get_decoder()(**mi["inputs"]).last_hidden_state[valid]  # (N, d)
+    source = None
+    if spec.uses_ild:
+        source = LayerCatch(spec.ild_target, inputs=spec.ild_inputs is ILDInputs.SOURCE)
+    teacher_fn = None
+    if teacher is not None:
+        teacher_fn = teacher.prepare(mi["inputs"], valid, indices, catch=source if ild_source == "teacher" else None)
+    if source is not None and ild_source != "teacher":
+        with torch.no_grad(), source.on(ild_source):
+            ild_source.get_decoder()(**mi["inputs"])
+    mine = None
+    if source is not None:
+        mine = LayerCatch(spec.ild_target, feed=source.inputs if spec.ild_inputs is ILDInputs.SOURCE else None)
+    with mine.on(student) if mine is not None else contextlib.nullcontext():
+        hidden = student.get_decoder()(**mi["inputs"]).last_hidden_state[valid]  # (N, d)
     num_chunks = None
     if sync_chunks is not None:
         num_chunks = max(1, all_reduce_max(math.ceil(hidden.shape[0] / chunk_tokens), sync_chunks))
-    return chunked_loss(hidden, student.get_output_embeddings(), teacher_fn, mi["targets"][valid], spec,
-                        chunk_tokens, checkpoint=spec.recompute, num_chunks=num_chunks)
+    head, targets = student.get_output_embeddings(), mi["targets"][valid]
+    if spec.trains_output:
+        sums = chunked_loss(hidden, head, teacher_fn, targets, spec, chunk_tokens, checkpoint=spec.recompute,
+                            num_chunks=num_chunks)
+    else:  # ILD alone: the output terms only for the log
+        logged = LossConfig(kind=spec.kind if teacher_fn is not None else KDLoss.NONE, temperature=spec.temperature,
+                            mix=spec.mix, kd_weight=1.0 if teacher_fn is not None else 0.0, ce_weight=1.0)
+        with torch.no_grad():
+            sums = chunked_loss(hidden.detach(), head, teacher_fn, targets, logged, chunk_tokens, checkpoint=False,
+                                num_chunks=num_chunks)
+    if source is None:
+        return sums
+    ild = ild_per_token([h[valid] for h in mine.outputs], [t[valid] for t in source.outputs]).sum()
+    total = spec.ild_weight * ild if not spec.trains_output else sums.total + spec.ild_weight * ild
+    return LossSums(total, sums.kd, sums.ce, sums.tokens, ild=ild)
 
 
 class DistillRun:
@@ -191,9 +223,14 @@ class DistillRun:
             student = models.load_causal_lm(r.student, self.dtype, "student")
         else:
             student = models.build_from_config(r.student_config, self.dtype)
-        teacher_model = None
+        teacher_model = ild_model = None
         self.teacher = None
-        if self.spec.uses_teacher:
+        # ILD matches the layers of the student's source: the live teacher itself when it is that model (one
+        # forward serves both), else a frozen model of its own.
+        ild_path = (r.teacher.ild_model or r.teacher.model) if self.spec.uses_ild else None
+        self.ild_source = None
+        shared = ild_path is not None and r.teacher.source == "live" and ild_path == r.teacher.model
+        if self.spec.uses_teacher or shared:
             if r.teacher.source == "live":
                 teacher_model = models.load_causal_lm(r.teacher.model, teacher_dtype(r), "teacher").eval().requires_grad_(False)
                 t_tok = models.load_tokenizer(r.teacher.model)
@@ -202,6 +239,13 @@ class DistillRun:
                     raise TrainingError("; ".join(problems))
             else:
                 self.teacher = CachedTeacher(r.teacher.cache_dir, self.train_data, r.loss.temperature, student.config.vocab_size)
+        if ild_path is not None:
+            what = "teacher.ild_model" if r.teacher.ild_model else "teacher.model (the ILD source)"
+            ild_model = teacher_model if shared else \
+                models.load_causal_lm(ild_path, teacher_dtype(r), what).eval().requires_grad_(False)
+            problem = models.check_layers(student.config, ild_model.config, what, ild_path)
+            if problem:
+                raise TrainingError(problem)
         if len(self.tokenizer) > student.config.vocab_size:
             raise TrainingError(f"tokenizer: {len(self.tokenizer)} tokens, but the student's vocab is {student.config.vocab_size}")
         if r.train.gradient_checkpointing:
@@ -242,6 +286,8 @@ class DistillRun:
             else:
                 teacher_model = teacher_model.to(dist.device)
             self.teacher = LiveTeacher(teacher_model, r.loss.temperature)
+        if ild_model is not None:
+            self.ild_source = "teacher" if shared else ild_model.to(dist.device)
         self.student = self.engine.module
 
     # ---- the loop ------------------------------------------------------------------------------------------
@@ -257,14 +303,17 @@ class DistillRun:
         return lr
 
     def _loss_sums(self, batch: dict, indices: list[int], teacher=None, spec: LossConfig | None = None):
-        """Loss sums of one micro-batch; `teacher`/`spec` default to the run's."""
+        """Loss sums of one micro-batch; `teacher`/`spec` default to the run's. A teacher also serves a run that
+        trains on ILD alone, for the KD column of its log."""
         r = self.recipe
         spec = spec or self.spec
         teacher = self.teacher if teacher is None else teacher
+        if not (spec.uses_teacher or (spec.uses_ild and not spec.trains_output)):
+            teacher = None
         sync = self.dist.device if r.deepspeed.zero_stage == 3 and self.dist.world_size > 1 else None
-        return batch_loss(self.student, teacher if spec.uses_teacher else None, batch, indices, spec,
+        return batch_loss(self.student, teacher, batch, indices, spec,
                           cross_document=r.data.cross_document_attention, dtype=self.dtype, device=self.dist.device,
-                          chunk_tokens=r.loss.chunk_tokens, sync_chunks=sync)
+                          chunk_tokens=r.loss.chunk_tokens, sync_chunks=sync, ild_source=self.ild_source)
 
     def train(self) -> dict:
         r, dist = self.recipe, self.dist
@@ -288,7 +337,7 @@ class DistillRun:
             local_targets = sum(int(target_mask(b["segments"], b["loss_mask"]).sum()) for b in batches)
             n_step = all_reduce_sum([local_targets], dist.device)[0]
             scale = dist.world_size * self.grad_accum / max(1.0, n_step)
-            sums = [0.0, 0.0, 0.0]
+            sums = [0.0, 0.0, 0.0, 0.0]
             for ix, batch in zip(micro, batches):
                 loss_sums = self._loss_sums(batch, ix)
                 finite = all_reduce_sum([float(torch.isfinite(loss_sums.total).item() is False)], dist.device)[0] == 0
@@ -299,8 +348,9 @@ class DistillRun:
                     )
                 self.engine.backward(loss_sums.total * scale)
                 self.engine.step()
-                sums = [a + float(b.detach()) for a, b in zip(sums, (loss_sums.total, loss_sums.kd, loss_sums.ce))]
-            total, kd, ce = (x / max(1.0, n_step) for x in all_reduce_sum(sums, dist.device))
+                ild = loss_sums.ild if loss_sums.ild is not None else loss_sums.total.new_zeros(())
+                sums = [a + float(b.detach()) for a, b in zip(sums, (loss_sums.total, loss_sums.kd, loss_sums.ce, ild))]
+            total, kd, ce, ild = (x / max(1.0, n_step) for x in all_reduce_sum(sums, dist.device))
             dt = time.time() - t0
             # A digest of the step's sequence ids (this rank's), so resumed runs can be checked for repeats or gaps.
             data_digest = hashlib.sha1(json.dumps(micro).encode()).hexdigest()[:12]
@@ -308,6 +358,8 @@ class DistillRun:
                     "data": data_digest,
                     "lr": lr, "stage": self.stage_at(step), "tokens_per_s": tokens_per_step / dt,
                     "target_tokens": int(n_step)}
+            if self.spec.uses_ild:
+                last["ild"] = ild
             if self._due(step, r.log.eval_every_steps) and self.eval_data is not None:
                 last.update(self.evaluate())
             logger.log(last, metrics_path)
@@ -337,8 +389,10 @@ class DistillRun:
         A cached teacher covers training sequences only, so with one the evaluation is CE alone.
         """
         r, dist = self.recipe, self.dist
-        live = isinstance(self.teacher, LiveTeacher)
-        spec = self.spec if live else LossConfig(kind=KDLoss.NONE, kd_weight=0.0, ce_weight=1.0)
+        live = isinstance(self.teacher, LiveTeacher) and self.spec.kind is not KDLoss.NONE
+        s = self.spec
+        spec = LossConfig(kind=s.kind, temperature=s.temperature, mix=s.mix, kd_weight=1.0, ce_weight=1.0) if live \
+            else LossConfig(kind=KDLoss.NONE, kd_weight=0.0, ce_weight=1.0)
         self.engine.eval()
         sums = [0.0, 0.0, 0.0]
         mb, n = r.train.micro_batch_size, len(self.eval_data)

@@ -64,19 +64,19 @@ def test_two_processes_zero(world, tmp_path, stage, launcher, latent_norm):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("procs, latent_norm", [(1, "normalize"), (2, "normalize"), (1, "linear")])
-def test_resume_after_kill_reproduces_losses(world, tmp_path, procs, latent_norm):
+@pytest.mark.parametrize("procs, case", [(1, "normalize"), (2, "normalize"), (1, "linear"), (1, "ild")])
+def test_resume_after_kill_reproduces_losses(world, tmp_path, procs, case):
     # 24 steps, checkpoints every 4, killed once 5 are logged: it resumes from step 4 or 8 of 24. A linear-latent
-    # student trains with its own scaled AdamW groups and a gradient mask, which must resume as exactly.
+    # student trains through its natural-scale parametrization, and an ILD run adds the layer loss against the
+    # student's source (the live teacher here): both must resume as exactly.
     extra = {"train": {"total_tokens": 256 * 24, **({"micro_batch_size": 1} if procs == 2 else {})}}
     if procs == 2:
         extra["deepspeed"] = {"zero_stage": 2}
-    if latent_norm == "linear":
-        from tests.convert.helpers import convert
-
-        student = tmp_path / "linear"
-        convert(world["root"] / "base", student, mla={"kv_lora_rank": 16, "qk_rope_head_dim": 8, "latent_norm": "linear"})
-        extra["student"] = str(student)
+    if case == "linear":
+        extra["student"] = str(_linear_student(world, tmp_path / "linear"))
+    if case == "ild":
+        extra["loss"] = {"ild_weight": 1.0}
+        extra["teacher"] = {"model": str(world["root"] / "base")}
     ref_out, cut_out = tmp_path / "ref", tmp_path / "cut"
     ref = w.run(w.write_recipe(tmp_path / "ref.yaml", w.recipe(world, ref_out, **extra)), procs)
     assert ref.returncode == 0, w.errors(ref)
@@ -93,6 +93,8 @@ def test_resume_after_kill_reproduces_losses(world, tmp_path, procs, latent_norm
     assert [r["data"] for r in got] == [r["data"] for r in want]  # the same sequences at every step
     for a, b in zip(want, got):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6, abs=1e-7), (a["step"], a["loss"], b["loss"])
+        if case == "ild":
+            assert a["ild"] == pytest.approx(b["ild"], rel=1e-6, abs=1e-7) and a["ild"] > 0, a["step"]
 
 
 def test_cache_with_full_vocab_equals_live_teacher(world, tmp_path):
