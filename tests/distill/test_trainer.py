@@ -301,6 +301,14 @@ def test_a_linear_latent_student_trains_at_natural_scale_and_is_refused_under_lo
         assert not torch.equal(before[kv_a][16:], after[kv_a][16:])  # the RoPE-key rows: trained
         config = json.loads((tmp_path / basis / "final" / "config.json").read_text())
         assert config[layout.CONFIG_KEY] == json.loads((student / "config.json").read_text())[layout.CONFIG_KEY]
+    # The trained basis keeps its layer finite in half-precision activations (the latent is ~1e-5 before its norm)
+    ids = torch.randint(0, 200, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(tmp_path / "train" / "final", dtype=torch.float32)(ids).logits
+        for dtype in (torch.float16, torch.bfloat16):
+            half = AutoModelForCausalLM.from_pretrained(tmp_path / "train" / "final", dtype=dtype)(ids).logits.float()
+            assert torch.isfinite(half).all(), dtype
+            assert (half.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9, dtype
 
     r = w.recipe(world, tmp_path / "lora", train={"mode": "lora"})
     r["student"] = str(student)
