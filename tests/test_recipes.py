@@ -70,3 +70,28 @@ def test_deepspeed_configs_build():
         recipe.deepspeed.zero_stage, recipe.deepspeed.config = stage, str(path)
         cfg = build_ds_config(recipe, world_size=8, grad_accum=6)
         assert cfg["train_batch_size"] == 192 and cfg["zero_optimization"]["stage"] == stage
+
+
+# Public config.json facts of the models the serving recipes name: layers, hidden, heads, KV heads, head dim.
+PUBLIC_SHAPES = {"meta-llama/Llama-3.2-3B-Instruct": (28, 3072, 24, 8, 128),
+                 "meta-llama/Llama-3.1-8B-Instruct": (32, 4096, 32, 8, 128)}
+
+
+@pytest.mark.parametrize("name, ratio", [("llama3.2-3b-instruct_vllm_6.4x.yaml", 6.4),
+                                         ("llama3.1-8b-instruct_vllm_3.56x.yaml", 3.56)])
+def test_the_vllm_recipes_give_shapes_vllm_serves(name, ratio):
+    """mla.serve_with: vllm passes these recipes on their models' shapes, at the ratio their names promise, and
+    every vLLM and SGLang MLA backend a shape of that width allows is among the ones the report will list."""
+    from ecomla.convert.plan import serve_problems
+    from ecomla.mla import engines
+    from ecomla.mla.budget import AttentionShape
+
+    recipe = load_recipe(ConvertRecipe, ROOT / "recipes" / "convert" / name)
+    layers, hidden, heads, kv, head_dim = PUBLIC_SHAPES[recipe.model]
+    shape = AttentionShape(layers, hidden, heads, kv, head_dim)
+    r, d_r = recipe.mla.kv_lora_rank, recipe.mla.qk_rope_head_dim
+    assert recipe.mla.serve_with == "vllm" and serve_problems(recipe.mla, shape, r, d_r) == []
+    assert shape.kv_elements / (r + d_r) == pytest.approx(ratio, abs=0.005)
+    served = engines.servable_by(r, d_r, head_dim - d_r + d_r)  # best's RoRoPE key adds d_r residual dims
+    assert "FLASHINFER_MLA" in served["vllm"] and "flashinfer" in served["sglang"]
+    assert serve_problems(recipe.mla, shape, 128, d_r)  # and an edit to 128 + 64 is refused

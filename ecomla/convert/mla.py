@@ -34,6 +34,7 @@ from ecomla.convert.to_mla import (
     source_pair_spectra,
 )
 from ecomla.convert.walk import embed, normalized_input, source_attention
+from ecomla.mla import engines
 from ecomla.mla.budget import compression_ratio, mla_elements
 from ecomla.mla.rope_key import allocate_slots, kept_energy
 
@@ -162,6 +163,8 @@ class MLATransform:
             "kv_lora_rank": geo.kv_lora_rank,
             "qk_rope_head_dim": d_r,
             "q_lora_rank": geo.q_lora_rank,
+            "qk_nope_head_dim": geo.qk_nope_head_dim,
+            "servable_by": engines.servable_by(geo.kv_lora_rank, d_r, geo.qk_nope_head_dim),
             "rope": self._rope_report(),
         }
         if self.h_src is not None:

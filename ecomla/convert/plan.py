@@ -21,10 +21,11 @@ from ecomla.convert import layout
 from ecomla.convert.layout import LinearLatent
 from ecomla.convert.recipe import ConvertRecipe
 from ecomla.convert.source import FAMILIES, LayerRunner, SourceModel, inspect_source, rotary_embedding
-from ecomla.convert.to_mla import MLAGeometry, SourceAttention, kv_rows, rope_key, source_pair_spectra
+from ecomla.convert.to_mla import MLAGeometry, SourceAttention, kv_rows, residual_dim, rope_key, source_pair_spectra
 from ecomla.convert.walk import Calibration, embed, layer_tensors, load_calibration, normalized_input, source_attention
 from ecomla.errors import UserError
-from ecomla.mla import latent
+from ecomla.io.checkpoint import has_tokenizer
+from ecomla.mla import engines, latent
 from ecomla.mla.budget import AttentionShape, allocate_ranks, rank_for_ratio
 from ecomla.mla.rope import FrequencyFit, RopeSplit, fit_frequencies, pair_norm_scores, rope_split
 from ecomla.mla.rope_key import allocate_slots, inexpressible_reason
@@ -148,10 +149,23 @@ def make_plan(recipe: ConvertRecipe, *, force: bool = False, progress: bool = Tr
             f"mla.q_lora_rank: this {source.family} source has a query bias, which the stock full q_proj cannot "
             f"hold; set mla.q_lora_rank (hidden_size + 1 = {shape.hidden_size + 1} keeps the query exact)"
         )
+    if kv_lora_rank is not None and mla.rank_allocation == "uniform":  # the stored width is known: check it now
+        problems += serve_problems(mla, shape, kv_lora_rank, d_r)
+    if recipe.init.calibration is not None and not has_tokenizer(source.directory):
+        problems.append(f"init.calibration: {recipe.model} has no tokenizer files, so its calibration text cannot be "
+                        "tokenized; copy the source's tokenizer into it, or convert without init.calibration "
+                        "(e.g. --set init.preset=xecomla --set mla.latent_norm=linear)")
     out_dtype, device = dtype_and_device(recipe, source, problems)
     if problems:
         raise PlanError(problems)
     return _mla_plan(recipe, source, d_r, kv_lora_rank, out_dtype, device, progress)
+
+
+def serve_problems(mla, shape: AttentionShape, kv_lora_rank: int, d_r: int) -> list[str]:
+    """mla.serve_with: the engine's refusal of this stored shape, with the shapes it serves instead."""
+    qk_nope = shape.head_dim - d_r + residual_dim(mla.rope_residual, mla.rope_key, shape.num_kv_heads, d_r)
+    why = engines.refusal(mla.serve_with, kv_lora_rank, d_r, qk_nope, shape.kv_elements)
+    return [] if why is None else [f"mla.serve_with: {why}"]
 
 
 def _target_plan(recipe: ConvertRecipe, source: SourceModel) -> TargetPlan:
@@ -221,6 +235,10 @@ def _mla_plan(recipe: ConvertRecipe, source: SourceModel, d_r: int, kv_lora_rank
         splits = rope_splits(mla, shape, d_r, stats.scores)
     rope_parameters, fit = output_rope(source, d_r, splits)
     geometry = replace(geometry, kv_lora_rank=max(ranks))
+    if mla.rank_allocation != "uniform":  # the stored width is the largest layer's, known only now
+        problems = serve_problems(mla, shape, geometry.kv_lora_rank, d_r)
+        if problems:
+            raise PlanError(problems)
     if mla.latent_norm == "linear":
         # The latent a·Q·y sits in kv_a_layernorm's linear regime; a is split between the input gain γ and the
         # latent rows (latent.linear_input_gain).

@@ -137,6 +137,12 @@ class MLAConfig:
         "under train.mode full or stages, which train each scaled tensor at its natural size; train.mode lora "
         "refuses it (docs/distill.md)",
     )
+    serve_with: Literal["any", "vllm", "sglang", "llama.cpp"] = knob(
+        "any", help="Refuse, before any compute, a shape this engine is not known to serve, naming the nearest "
+        "shapes it does and their compression for this model: vllm and sglang take kv_lora_rank + "
+        "qk_rope_head_dim = 256 + 64 or 512 + 64 only; llama.cpp needs qk_nope_head_dim >= 1. Every conversion "
+        "reports `servable_by` whatever this says (docs/serving.md#which-shapes-the-engines-serve)",
+    )
     rope_allocation: RopeAllocation = knob(
         "fixed",
         help="fixed: rope_dims picks d_r/2 frequency pairs, each keeping its strongest head mixture. energy: the d_r/2 "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ecomla.convert.layout import LINEAR_LATENT_LORA, report_says_linear
+from ecomla.mla import engines
 from ecomla.mla.budget import format_ratio
 
 
@@ -32,6 +33,8 @@ def mla_lines(report: dict) -> list[str]:
         )
     p = report["params"]
     lines.append(f"  params: {p['before'] / 1e6:.2f}M -> {p['after'] / 1e6:.2f}M")
+    if "servable_by" in report:
+        lines.append("  " + serving_line(report["servable_by"]))
     rope = report["rope"]
     lines.append(
         f"  RoPE: {rope['rope_dims']}, {rope['rope_parameters'].get('rope_type', 'default')} "
@@ -69,6 +72,18 @@ def mla_lines(report: dict) -> list[str]:
         lines.append(f"  note: {LINEAR_LATENT_LORA}")
     lines.append(f"  took {report['seconds']:.1f}s; report: {report['output_dir']}/conversion_report.json")
     return lines
+
+
+def serving_line(servable_by: dict[str, list[str]]) -> str:
+    """Which engines run the shape, by backend; those that do not, and why in a word."""
+    known = [f"{e} ({', '.join(b)})" for e, b in servable_by.items()]
+    missing = [e for e in engines.ENGINES if e not in servable_by]
+    why = {"vllm": "needs 256 + 64 or 512 + 64", "sglang": "needs 256 + 64 or 512 + 64",
+           "llama.cpp": "needs qk_nope_head_dim >= 1"}
+    line = "serves in: " + ("; ".join(known) if known else "none of the engines ecomla knows")
+    if missing:
+        line += "; not in " + ", ".join(f"{e} ({why[e]})" for e in missing)
+    return line + f" (as of {engines.FACTS_DATE}; docs/serving.md)"
 
 
 def target_lines(report: dict) -> list[str]:

@@ -20,8 +20,9 @@ wants it):
 - `n_routed_experts: 1` becomes 2 (with `n_group`, `topk_group`, `num_experts_per_tok` 1): llama.cpp asserts
   fewer expert groups than experts. No expert is ever built: `first_k_dense_replace` equals the layer count,
   so every layer is dense.
-Refused with the reason: MoE layers (ecomla never writes them), a tokenizer whose pre-tokenizer llama.cpp's
-converter does not know (its own message is passed on).
+Refused with the reason, before anything is written: MoE layers (ecomla never writes them), qk_nope_head_dim 0
+(llama.cpp's DEEPSEEK2 graph asserts it is at least 1 and aborts the process while loading), a tokenizer whose
+pre-tokenizer llama.cpp's converter does not know (its own message is passed on).
 
 One difference remains and is measured, not hidden: transformers' `kv_a_layernorm` (the latent RMSNorm) uses
 ε = 1e-6, while llama.cpp uses the config's `rms_norm_eps` for every norm (1e-5 for SmolLM2). The latent's
@@ -134,6 +135,12 @@ def converter_config(config: dict) -> tuple[dict, list[str]]:
     if cfg.get("model_type") != "deepseek_v3":
         return cfg, notes
     layers = cfg["num_hidden_layers"]
+    if (cfg.get("qk_nope_head_dim") or 0) < 1:
+        raise ExportError(f"qk_nope_head_dim is {cfg.get('qk_nope_head_dim')}: llama.cpp's DEEPSEEK2 graph asserts "
+                          "qk_nope_head_dim >= 1 and aborts the process while loading such a file, so no GGUF is "
+                          "written. Convert with some no-RoPE key dims: mla.qk_rope_head_dim below the head dim, or, "
+                          "for a source with several KV heads, mla.rope_key rorope_act (its residual adds d_r of them); "
+                          "mla.serve_with: llama.cpp refuses such a recipe before converting")
     if cfg.get("first_k_dense_replace", 0) < layers:
         raise ExportError(f"first_k_dense_replace is {cfg.get('first_k_dense_replace')} of {layers} layers: MoE "
                           "layers; ecomla exports the dense DeepSeek-V3 checkpoints it writes, not MoE models")

@@ -41,6 +41,15 @@ TOKENIZER_FILES = (
     "generation_config.json",
 )
 
+# A directory holds a tokenizer when it has one of these (the vocabulary files a tokenizer loads from).
+TOKENIZER_VOCABS = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def has_tokenizer(directory: str | Path) -> bool:
+    """Whether `directory` holds a tokenizer's vocabulary (a hub name is taken on trust)."""
+    d = Path(directory)
+    return not d.is_dir() or any((d / name).is_file() for name in TOKENIZER_VOCABS)
+
 
 # safetensors header dtype names -> torch dtypes (the floating ones a checkpoint stores weights in)
 _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}

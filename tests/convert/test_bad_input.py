@@ -128,3 +128,44 @@ def test_crash_midway_leaves_nothing(source_factory, tmp_path, capsys, monkeypat
     with pytest.raises(RuntimeError, match="simulated crash"):
         _run(tmp_path, capsys, src)
     _nothing_written(tmp_path)
+
+
+@pytest.mark.parametrize("engine, mla, needles", [
+    ("vllm", {"kv_lora_rank": 32, "qk_rope_head_dim": 8},
+     ["vllm serves kv_lora_rank + qk_rope_head_dim = 256 + 64 or 512 + 64 only", "this recipe gives 32 + 8",
+      "256 + 64 (0.20x for this model, larger than its cache)"]),
+    ("llama.cpp", {"kv_lora_rank": 32, "qk_rope_head_dim": 16}, ["cannot load qk_nope_head_dim 0"]),
+])
+def test_serve_with_refuses_a_shape_the_engine_does_not_serve(source_factory, tmp_path, capsys, engine, mla, needles):
+    code, err = _run(tmp_path, capsys, source_factory("llama"), serve_with=engine, **mla)  # KV: 2 x 2 x 16 = 64
+    assert code == 2 and all(n in err for n in needles), err
+    _nothing_written(tmp_path)
+
+
+def test_serve_with_passes_a_shape_the_engine_serves_and_every_report_says_who_serves_it(source_factory, tmp_path,
+                                                                                         capsys):
+    src = source_factory("llama", hidden_size=512, num_attention_heads=4, num_key_value_heads=4, head_dim=128,
+                         intermediate_size=64)
+    code, err = _run(tmp_path, capsys, src, kv_lora_rank=256, qk_rope_head_dim=64, serve_with="vllm")
+    assert code == 0, err
+    report = json.loads((tmp_path / "out" / "conversion_report.json").read_text())
+    assert report["servable_by"] == {"vllm": ["TRITON_MLA", "FLASHINFER_MLA"], "sglang": ["flashinfer"],
+                                     "llama.cpp": ["DEEPSEEK2"]}
+    assert report["qk_nope_head_dim"] == 64
+
+
+def test_calibration_text_on_a_source_without_a_tokenizer_is_one_line(source_factory, tmp_path, capsys):
+    src = source_factory("llama")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (src / name).unlink(missing_ok=True)
+    recipe = {"model": str(src), "output_dir": str(tmp_path / "out"), "dtype": "float32", "device": "cpu",
+              "mla": {"kv_lora_rank": 32, "qk_rope_head_dim": 8},
+              "init": {"preset": "best", "calibration": {"dataset": "pytext:calibration", "num_tokens": 512}}}
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    code = main(["convert", str(path), "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and "has no tokenizer files" in err and "Traceback" not in err, err
+    error = err[err.index("ecomla convert: error"):].strip().splitlines()
+    assert len(error) == 2 and "init.calibration" in error[1], err  # "cannot convert:" and the one problem
+    _nothing_written(tmp_path)

@@ -20,7 +20,7 @@ from tests.convert.helpers import convert, load
 from tests.tiny import make_source
 
 DENSE = {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 2,
-         "first_k_dense_replace": 2, "q_lora_rank": None,
+         "first_k_dense_replace": 2, "q_lora_rank": None, "qk_nope_head_dim": 16,
          "n_routed_experts": 1, "n_group": 1, "topk_group": 1, "num_experts_per_tok": 1}
 
 
@@ -36,6 +36,20 @@ def test_converter_input_fixes_only_what_llama_cpp_reads_differently():
     assert cfg["architectures"] == ["LlamaForCausalLM"] and "from model_type" in notes[0]
     with pytest.raises(ExportError, match="MoE layers"):
         converter_config({**DENSE, "first_k_dense_replace": 1})
+    with pytest.raises(ExportError, match="asserts qk_nope_head_dim >= 1"):
+        converter_config({**DENSE, "qk_nope_head_dim": 0})
+
+
+def test_a_shape_llama_cpp_would_abort_on_is_refused_and_nothing_is_written(source_factory, tmp_path):
+    """qk_nope_head_dim 0 (d_r = d_h, no residual): llama.cpp's loader asserts and kills the process, so the export
+    stops before the converter runs, with the cause and the fix, and leaves no file."""
+    src = source_factory("llama")
+    mla = tmp_path / "mla"
+    convert(src, mla, mla={"kv_lora_rank": 32, "qk_rope_head_dim": 16})  # head dim 16
+    assert json.loads((mla / "config.json").read_text())["qk_nope_head_dim"] == 0
+    with pytest.raises(ExportError, match="qk_rope_head_dim below the head dim"):
+        export_gguf(mla, tmp_path / "x.gguf", converter=tmp_path)  # refused before the converter is even looked for
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["mla", src.name])
 
 
 def test_export_refuses_bad_input(tmp_path):
