@@ -27,16 +27,11 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-
-from oneshot_table import Yardstick, parse_budget, plot, run_cells, run_settings  # noqa: E402
-
-from ecomla.convert import presets  # noqa: E402
-from ecomla.convert.recipe import ConvertRecipe  # noqa: E402
-from ecomla.convert.stream import convert_recipe  # noqa: E402
-from ecomla.recipe.schema import load_recipe  # noqa: E402
+from ecomla.analyze.yardstick import Yardstick
+from ecomla.convert import presets
+from ecomla.convert.stream import convert_recipe
+from ecomla.mla.budget import parse_budget
+from oneshot_table import plot, run_cells, run_settings  # the sibling script: scripts/ is on sys.path
 
 # One budget per ratio of SmolLM2's 384 cached numbers: 2.0x, 3.0x, 4.0x, 6.4x
 BUDGETS = ("128+64", "64+64", "64+32", "28+32")
@@ -44,14 +39,9 @@ BUDGETS = ("128+64", "64+64", "64+32", "28+32")
 
 def convert(args, preset: str, r_kv: int, d_r: int, out: Path, off: dict | None = None) -> dict:
     """One cell: `preset` at r_kv + d_r, with the keys in `off` (section -> key -> value) set over it."""
-    off = off or {}
-    data = {"model": args.model, "output_dir": str(out), "dtype": "float32", "device": "cpu",
-            "mla": {"kv_lora_rank": r_kv, "qk_rope_head_dim": d_r, **off.get("mla", {})},
-            "init": {"preset": preset, "calibration": {"dataset": "pytext:calibration",
-                                                       "num_tokens": args.calibration_tokens,
-                                                       "seq_len": args.seq_len, "heldout_tokens": 0},
-                     **off.get("init", {})}}
-    return convert_recipe(load_recipe(ConvertRecipe, data=data), force=True, progress=False)
+    recipe = presets.preset_recipe(args.model, str(out), preset, r_kv, d_r, calibration_tokens=args.calibration_tokens,
+                                   seq_len=args.seq_len, overrides=off)
+    return convert_recipe(recipe, force=True, progress=False)
 
 
 def ablations() -> dict[str, dict]:

@@ -1,18 +1,20 @@
-"""Recovery curves: held-out quality against distillation tokens, one student per conversion preset, same data.
+"""Recovery curves: held-out quality against distillation tokens, one student per (conversion preset, recipe).
 
     python scripts/bench_recovery.py --model models/smollm2-135m-instruct --out runs/recovery/4x --budget 64+32
-    python scripts/bench_recovery.py --model M --out O --budget 28+32 --inits xecomla best --tokens 49152
+    python scripts/bench_recovery.py --model M --out O --budget 64+32 --inits best \
+        --recipes kd-frozen-basis kd ild+kd ild>kd attention>all --dataset pytext:train:code --tokens 40960
 
 For each preset (`init.preset`, e.g. X-EcoMLA's `xecomla` and ecomla's `best`) it converts the model at
-r_kv + d_r with `ecomla convert`'s own code (both calibrated on the same `pytext:calibration` tokens), then
-self-distils the student from the source model with `ecomla distill`'s own trainer (forward KL against the live
-source, `pytext:train` prose and code documents, the same data order and schedule for every preset). Before
-training and every --measure-every tokens it measures the student on held-out blocks of both pytext domains:
-perplexity, KL(source‖student) and top-1 agreement. Writes OUT/curves.json, OUT/table.md (including the tokens
-each preset needs to reach the other's final perplexity) and OUT/chart.png. A conversion is kept in
-OUT/PRESET/model and reused on a rerun with the same settings; the distillation always runs again.
-The multiple-choice task scores are not measured along the curve (`ecomla eval` on OUT/PRESET/distill/final
-gives them at the end).
+r_kv + d_r with `ecomla convert`'s own code (every preset calibrated on the same `pytext:calibration` tokens),
+then distils the student with each recipe (RECIPES below, `--recipes`) using `ecomla distill`'s own trainer:
+forward KL against the live source, the same data, order and learning-rate schedule for every recipe. A recipe of
+two stages (ILD, then KD) runs two distillations, the second from the first's `final/`, with the tokens split
+between them. Before training and every --measure-every tokens it measures the student on held-out blocks of both
+pytext domains (`ecomla.analyze.yardstick`): perplexity, KL(source‖student) and top-1 agreement. The first recipe
+is the baseline: the table gives the tokens each other recipe needs to reach its final perplexity. Writes
+OUT/curves.json, OUT/table.md and OUT/chart.png. A conversion is kept in OUT/PRESET/model and reused on a rerun with
+the same settings; the distillations always run again. Multiple-choice scores are not measured along the curve
+(`ecomla eval` on OUT/PRESET/RECIPE/final gives them at the end).
 """
 
 from __future__ import annotations
@@ -22,15 +24,33 @@ import json
 import math
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+from ecomla.analyze.yardstick import DOMAINS, Yardstick
+from ecomla.convert import presets
+from ecomla.mla.budget import parse_budget
 
-from oneshot_table import DOMAINS, Yardstick, parse_budget  # noqa: E402
 
-from ecomla.convert import presets  # noqa: E402
+@dataclass(frozen=True)
+class Stage:
+    """One distillation of a recipe: its share of the tokens and its keys over the bench's distill recipe."""
+
+    share: float
+    keys: dict
+
+
+# name -> stages. kd-frozen-basis is the recipe every earlier curve ran (KD only, the latent basis frozen);
+# ILD weight and share come from --ild-weight and --ild-share.
+RECIPES = {
+    "kd-frozen-basis": lambda a: [Stage(1.0, {"train": {"latent_basis": "freeze"}})],
+    "kd": lambda a: [Stage(1.0, {})],
+    "ild+kd": lambda a: [Stage(1.0, {"loss": {"ild_weight": a.ild_weight}})],
+    "ild>kd": lambda a: [Stage(a.ild_share, {"loss": {"kd_weight": 0.0, "ild_weight": 1.0}}), Stage(1 - a.ild_share, {})],
+    "attention>all": lambda a: [Stage(1.0, {"train": {"mode": "stages", "stages": [
+        {"trainable": ["attention"], "fraction": a.ild_share}, {"trainable": ["all"], "fraction": 1 - a.ild_share}]}})],
+    "attention-only": lambda a: [Stage(1.0, {"train": {"mode": "stages", "stages": [{"trainable": ["attention"]}]}})],
+}
 
 
 def settings_of(args) -> dict:
@@ -40,20 +60,29 @@ def settings_of(args) -> dict:
 
 
 def convert(args, preset: str, out: Path) -> None:
-    import bench_init
+    from ecomla.convert.stream import convert_recipe
 
     r_kv, d_r = parse_budget(args.budget)
     off = {"mla": {"latent_norm": args.latent_norm}} if args.latent_norm else None
-    bench_init.convert(args, preset, r_kv, d_r, out, off)
+    recipe = presets.preset_recipe(args.model, str(out), preset, r_kv, d_r, calibration_tokens=args.calibration_tokens,
+                                   seq_len=args.seq_len, overrides=off)
+    convert_recipe(recipe, force=True, progress=False)
 
 
-def distill_recipe(args, student: Path, out: Path) -> dict:
+def merge(base: dict, keys: dict) -> dict:
+    out = dict(base)
+    for k, v in keys.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def distill_recipe(args, student: Path, out: Path, tokens: int) -> dict:
     return {
         "student": str(student),
         "teacher": {"model": args.model, "source": "live"},
-        "data": {"train": {"dataset": "pytext:train", "max_documents": args.train_documents}, "seq_len": args.seq_len},
-        "loss": {"kind": "forward_kl"},
-        "train": {"total_tokens": args.tokens, "global_batch_tokens": args.global_batch_tokens,
+        "data": {"train": {"dataset": args.dataset, "max_documents": args.train_documents}, "seq_len": args.seq_len},
+        "loss": {"kind": "forward_kl", "recompute": False},
+        "train": {"total_tokens": tokens, "global_batch_tokens": args.global_batch_tokens,
                   "micro_batch_size": args.micro_batch_size, "lr": args.lr, "warmup_ratio": args.warmup_ratio,
                   "min_lr_ratio": args.min_lr_ratio, "precision": "fp32"},
         "deepspeed": {"zero_stage": 0},
@@ -61,6 +90,13 @@ def distill_recipe(args, student: Path, out: Path) -> dict:
         "log": {"eval_every_steps": 0, "tensorboard": False},
         "output_dir": str(out),
     }
+
+
+def stage_tokens(stages: list[Stage], total: int, batch: int) -> list[int]:
+    """Each stage's tokens, whole steps, summing to `total` (the last stage takes the remainder)."""
+    steps = total // batch
+    counts = [max(1, round(s.share * steps)) for s in stages[:-1]]
+    return [c * batch for c in counts] + [(steps - sum(counts)) * batch]
 
 
 def point(tokens: int, seconds: float, m: dict) -> dict:
@@ -71,41 +107,42 @@ def point(tokens: int, seconds: float, m: dict) -> dict:
     return row
 
 
-def curve(args, preset: str, yardstick: Yardstick, out: Path) -> dict:
-    """Convert (or reuse) and distil one preset's student, measuring it along the way."""
+def curve(args, preset: str, recipe: str, yardstick: Yardstick, out: Path, start: dict) -> dict:
+    """Distil `preset`'s student with `recipe`, measuring it every --measure-every tokens."""
     from ecomla.distill.recipe import DistillRecipe
     from ecomla.distill.trainer import DistillRun
     from ecomla.recipe.schema import load_recipe
 
-    model_dir = out / preset / "model"
-    t0 = time.time()
-    if not (model_dir / "conversion_report.json").is_file():
-        convert(args, preset, model_dir)
-    convert_s = time.time() - t0
-    points = [point(0, 0.0, yardstick.measure(model_dir))]
-    print(f"{preset}: converted ({convert_s:.0f} s): {points[0]}", flush=True)
-    every = max(1, args.measure_every // args.global_batch_tokens)
-    total = args.tokens // args.global_batch_tokens
-    t_train = time.time()
-    measuring = [0.0]
+    stages = RECIPES[recipe](args)
+    points = [start]
+    student, done, train_s, metrics = out / preset / "model", 0, 0.0, []
+    name = f"{preset} {recipe}"
+    for i, (stage, tokens) in enumerate(zip(stages, stage_tokens(stages, args.tokens, args.global_batch_tokens))):
+        run_dir = out / preset / recipe.replace(">", "-then-") / f"stage{i}"
+        data = merge(distill_recipe(args, student, run_dir, tokens), stage.keys)
+        last = i == len(stages) - 1
+        t_stage, measured = time.time(), [0.0]
 
-    def on_step(steps: int, student) -> None:
-        if steps % every == 0 or steps == total:
-            t = time.time()
-            points.append(point(steps * args.global_batch_tokens, t - t_train - measuring[0],
-                                yardstick.measure_model(student)))
-            measuring[0] += time.time() - t
-            print(f"{preset}: {points[-1]}", flush=True)
+        def on_step(steps: int, model, offset=done, total=tokens // args.global_batch_tokens, last=last,
+                    t_stage=t_stage, measured=measured) -> None:
+            seen = offset + steps * args.global_batch_tokens
+            if seen % args.measure_every == 0 or (last and steps == total):
+                t = time.time()
+                points.append(point(seen, train_s + t - t_stage - measured[0], yardstick.measure_model(model)))
+                measured[0] += time.time() - t
+                print(f"{name}: {json.dumps(points[-1])}", flush=True)
 
-    recipe = load_recipe(DistillRecipe, data=distill_recipe(args, model_dir, out / preset / "distill"))
-    job = DistillRun(recipe, force=True, progress=True, on_step=on_step)
-    job.setup()
-    job.train()
-    metrics = [json.loads(line) for line in (out / preset / "distill" / "metrics.jsonl").read_text().splitlines()]
-    del job
-    return {"preset": preset, "convert_seconds": convert_s, "points": points,
-            "kd_tokens_per_s": sorted(m["tokens_per_s"] for m in metrics)[len(metrics) // 2],
-            "kd_loss": [m["kd"] for m in metrics]}
+        job = DistillRun(load_recipe(DistillRecipe, data=data), force=True, progress=False, on_step=on_step)
+        job.setup()
+        job.train()
+        train_s += time.time() - t_stage - measured[0]
+        metrics += [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        del job
+        student, done = run_dir / "final", done + tokens
+    rates = sorted(m["tokens_per_s"] for m in metrics if "tokens_per_s" in m)
+    return {"preset": preset, "recipe": recipe, "name": name, "points": points, "train_seconds": round(train_s, 1),
+            "stages": [{"share": s.share, "keys": s.keys} for s in stages],
+            "tokens_per_s": rates[len(rates) // 2], "kd_loss": [m["kd"] for m in metrics if "kd" in m]}
 
 
 def tokens_to_reach(points: list[dict], domain: str, target: float) -> float | None:
@@ -141,35 +178,33 @@ def projected_tokens(points: list[dict], domain: str, target: float, src: float)
 
 
 def efficiency(curves: list[dict]) -> list[str]:
-    """For each pair of presets: tokens the second needs to reach the first's final perplexity, as a share."""
+    """Against the first curve (the baseline): the tokens each other curve needs to reach its final perplexity."""
+    base = curves[0]
+    final = base["points"][-1]
     lines = []
-    for a in curves:
-        for b in curves:
-            if a is b:
-                continue
-            final = a["points"][-1]
-            for d in DOMAINS:
-                target = final[d]["perplexity"]
-                need = tokens_to_reach(b["points"], d, target)
-                share = "not reached" if need is None else f"{need:,.0f} tokens = {need / final['tokens']:.0%} of them"
-                lines.append(f"- {d}: {b['preset']} reaches {a['preset']}'s final perplexity {target:,.1f} "
-                             f"(after {final['tokens']:,} tokens) with {share}")
+    for c in curves[1:]:
+        for d in DOMAINS:
+            target = final[d]["perplexity"]
+            need = tokens_to_reach(c["points"], d, target)
+            share = "not reached" if need is None else f"{need:,.0f} tokens = {need / final['tokens']:.0%} of them"
+            lines.append(f"- {d}: {c['name']} reaches {base['name']}'s final perplexity {target:,.1f} "
+                         f"(after {final['tokens']:,} tokens) with {share}")
     return lines
 
 
 def table(result: dict) -> str:
     src = result["source"]
     lines = [f"Budget {result['budget']}; source held-out perplexity {src['prose']:.2f} (prose), {src['code']:.2f} "
-             f"(code). Whole run: {result['wall_seconds'] / 60:.1f} min.", "",
-             "| preset | tokens | ppl prose | ppl code | KL prose | KL code | top-1 prose | top-1 code | train s |",
+             f"(code). Training data {result['args']['dataset']}. Whole run: {result['wall_seconds'] / 60:.1f} min.",
+             "", "| student | tokens | ppl prose | ppl code | KL prose | KL code | top-1 prose | top-1 code | train s |",
              "|" + "---|" * 9]
     for c in result["curves"]:
         for p in c["points"]:
-            lines.append(f"| {c['preset']} | {p['tokens']:,} | {p['prose']['perplexity']:,.1f} "
+            lines.append(f"| {c['name']} | {p['tokens']:,} | {p['prose']['perplexity']:,.1f} "
                          f"| {p['code']['perplexity']:,.1f} | {p['prose']['kl']:.3f} | {p['code']['kl']:.3f} "
                          f"| {p['prose']['top1']:.1%} | {p['code']['top1']:.1%} | {p['seconds']:.0f} |")
-    lines += ["", "KD tokens/s (median step): " + ", ".join(f"{c['preset']} {c['kd_tokens_per_s']:.0f}"
-                                                           for c in result["curves"]), ""]
+    lines += ["", "Tokens/s (median step, measurements excluded): "
+              + ", ".join(f"{c['name']} {c['tokens_per_s']:.0f}" for c in result["curves"]), ""]
     lines += efficiency(result["curves"]) + [""]
     for c in result["curves"]:
         for d in DOMAINS:
@@ -180,7 +215,7 @@ def table(result: dict) -> str:
                 how = "not reached; power law through the curve projects" if need is not None else "not reached, and the last points do not fall"
             else:
                 how = "reached at"
-            lines.append(f"- {c['preset']}, {d}: 1.2x the source ({target:.2f}) {how}"
+            lines.append(f"- {c['name']}, {d}: 1.2x the source ({target:.2f}) {how}"
                          + (f" {need:,.0f} tokens" if need is not None else ""))
     return "\n".join(lines) + "\n"
 
@@ -195,14 +230,14 @@ def plot(result: dict, path: Path) -> None:
     for c in result["curves"]:
         x = [p["tokens"] for p in c["points"]]
         for ax, d in zip(axes[:2], DOMAINS):
-            ax.plot(x, [p[d]["perplexity"] for p in c["points"]], marker="o", label=c["preset"])
-        axes[2].plot(x, [(p["prose"]["kl"] + p["code"]["kl"]) / 2 for p in c["points"]], marker="o", label=c["preset"])
+            ax.plot(x, [p[d]["perplexity"] for p in c["points"]], marker="o", label=c["name"])
+        axes[2].plot(x, [(p["prose"]["kl"] + p["code"]["kl"]) / 2 for p in c["points"]], marker="o", label=c["name"])
     for ax, d in zip(axes[:2], DOMAINS):
         ax.axhline(result["source"][d], ls="--", color="k", label="source")
         ax.set(yscale="log", title=f"held-out perplexity, {d}", xlabel="distillation tokens")
     axes[2].set(yscale="log", title="KL(source‖student), mean of both domains", xlabel="distillation tokens")
     for ax in axes:
-        ax.legend()
+        ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
     fig.suptitle(f"{Path(result['model']).name}: recovery at r_kv + d_r = {result['budget']}")
     fig.tight_layout()
@@ -211,23 +246,30 @@ def plot(result: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", required=True, help="source checkpoint directory (also the teacher)")
+    p.add_argument("--model", required=True, help="source checkpoint directory (also the teacher and the ILD source)")
     p.add_argument("--out", required=True, help="output directory (PRESET/, curves.json, table.md, chart.png)")
     p.add_argument("--budget", help="R_KV+D_R, e.g. 64+32 (4.0x on SmolLM2); required unless --report-only")
     p.add_argument("--inits", nargs="+", default=["xecomla", "best"], choices=list(presets.PRESET_NAMES),
                    help="conversion presets, one student each (default: xecomla best)")
+    p.add_argument("--recipes", nargs="+", default=["kd-frozen-basis"], choices=list(RECIPES),
+                   help="distillation recipes, each run on every preset's student; the first is the baseline "
+                   "(default: kd-frozen-basis, the recipe of the earlier curves)")
     p.add_argument("--latent-norm", choices=["linear", "normalize"], default=None,
                    help="override every preset's mla.latent_norm (default: each preset's own: linear for best, "
                    "normalize for the peers)")
-    p.add_argument("--tokens", type=int, default=40960, help="distillation tokens per student")
+    p.add_argument("--tokens", type=int, default=40960, help="distillation tokens per student (all stages)")
     p.add_argument("--measure-every", type=int, default=8192, help="measure every this many tokens")
     p.add_argument("--global-batch-tokens", type=int, default=2048, help="tokens per optimizer step")
     p.add_argument("--micro-batch-size", type=int, default=4, help="sequences per forward pass")
-    p.add_argument("--lr", type=float, default=1e-4, help="peak learning rate")
-    p.add_argument("--warmup-ratio", type=float, default=0.1, help="share of steps with linear warm-up")
+    p.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (every stage)")
+    p.add_argument("--warmup-ratio", type=float, default=0.1, help="share of a stage's steps with linear warm-up")
     p.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine decays to lr × this")
-    p.add_argument("--train-documents", type=int, default=40, help="pytext:train documents read (prose and code "
-                   "alternating)")
+    p.add_argument("--ild-weight", type=float, default=1.0, help="ild+kd: loss.ild_weight beside KD")
+    p.add_argument("--ild-share", type=float, default=0.25,
+                   help="ild>kd: share of the tokens trained on ILD alone; attention>all: share on attention alone")
+    p.add_argument("--dataset", default="pytext:train", help="training data (pytext:train: prose and code "
+                   "alternating; pytext:train:code: code alone, 100x more of it)")
+    p.add_argument("--train-documents", type=int, default=40, help="documents of --dataset read")
     p.add_argument("--calibration-tokens", type=int, default=16384, help="calibration tokens, every preset")
     p.add_argument("--eval-tokens", type=int, default=4096, help="held-out tokens per domain")
     p.add_argument("--seq-len", type=int, default=512, help="sequence length for every stage")
@@ -243,10 +285,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--budget: required (e.g. 64+32)")
     try:
         parse_budget(args.budget)
-    except (ValueError, argparse.ArgumentTypeError) as err:
+    except ValueError as err:
         p.error(f"--budget {args.budget}: {err}")
     if args.tokens < args.global_batch_tokens or args.tokens % args.global_batch_tokens:
         p.error(f"--tokens {args.tokens}: must be a whole number of --global-batch-tokens ({args.global_batch_tokens})")
+    if not 0 < args.ild_share < 1:
+        p.error(f"--ild-share {args.ild_share}: must be between 0 and 1")
     out = Path(args.out)
     settings = settings_of(args)
     kept = out / "settings.json"
@@ -256,7 +300,15 @@ def main(argv: list[str] | None = None) -> int:
     kept.write_text(json.dumps(settings, indent=2) + "\n")
     t0 = time.time()
     yardstick = Yardstick(args.model, args.eval_tokens, args.seq_len)
-    curves = [curve(args, preset, yardstick, out) for preset in args.inits]
+    curves = []
+    for preset in args.inits:
+        model_dir = out / preset / "model"
+        t = time.time()
+        if not (model_dir / "conversion_report.json").is_file():
+            convert(args, preset, model_dir)
+        start = point(0, 0.0, yardstick.measure(model_dir))
+        print(f"{preset}: converted ({time.time() - t:.0f} s): {json.dumps(start)}", flush=True)
+        curves += [curve(args, preset, recipe, yardstick, out, start) for recipe in args.recipes]
     result = {"model": args.model, "budget": args.budget, "source": yardstick.source, "args": vars(args),
               "curves": curves, "wall_seconds": time.time() - t0}
     (out / "curves.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -23,16 +23,11 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from ecomla.convert.metrics import agreement  # noqa: E402
-from ecomla.convert.recipe import ConvertRecipe  # noqa: E402
-from ecomla.convert.stream import convert_recipe  # noqa: E402
-from ecomla.data.text import iter_texts, token_blocks  # noqa: E402
-from ecomla.recipe.schema import load_recipe  # noqa: E402
+from ecomla.analyze.yardstick import DOMAINS, Yardstick
+from ecomla.convert.recipe import ConvertRecipe
+from ecomla.convert.stream import convert_recipe
+from ecomla.mla.budget import parse_budget
+from ecomla.recipe.schema import load_recipe
 
 # name -> (init.method, mla.rope_dims, mla.rope_key); the first is X-EcoMLA's recipe, the converter's defaults
 RECIPES = {
@@ -48,15 +43,6 @@ BUDGETS = ("160+32", "96+32", "64+32", "28+32", "128+64")
 # mla.latent_norm: normalize (the converter's default; stock RMSNorm rescales every token's latent) and linear
 # (the latent kept in the norm's linear regime, docs/convert.md#the-levers-of-best)
 LATENT_NORMS = ("normalize", "linear")
-DOMAINS = ("prose", "code")
-
-
-def parse_budget(text: str) -> tuple[int, int]:
-    try:
-        r_kv, d_r = (int(x) for x in text.split("+"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: a budget is R_KV+D_R, e.g. 64+32") from None
-    return r_kv, d_r
 
 
 def convert(args, name: str, r_kv: int, d_r: int, out: Path, latent_norm: str = "normalize") -> dict:
@@ -72,57 +58,10 @@ def convert(args, name: str, r_kv: int, d_r: int, out: Path, latent_norm: str = 
     return convert_recipe(recipe, force=True, progress=False)
 
 
-@torch.no_grad()
-def logprobs(model, ids: torch.Tensor) -> list[torch.Tensor]:
-    """(N·(T-1), V) log-probabilities per block batch of 4, in float64 for the KL."""
-    return [torch.log_softmax(model(b).logits[:, :-1].double(), -1).reshape(-1, model.config.vocab_size)
-            for b in ids.split(4)]
-
-
-def measure(model_dir: Path, source_logp: dict, blocks: dict, targets: dict) -> dict:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    return measure_model(model, source_logp, blocks, targets)
-
-
-def measure_model(model, source_logp: dict, blocks: dict, targets: dict) -> dict:
-    """Perplexity, KL(source‖model) and top-1 agreement per domain, the model left in the mode it was in."""
-    training = model.training
-    model.eval()
-    try:
-        return {d: agreement(zip(source_logp[d], logprobs(model, ids), targets[d])) for d, ids in blocks.items()}
-    finally:
-        model.train(training)
-
-
 def run_settings(args) -> dict:
     """What a cell's numbers depend on besides its recipe: a cell is reused only when these match."""
     return {"model": str(Path(args.model).resolve()), "calibration_tokens": args.calibration_tokens,
             "eval_tokens": args.eval_tokens, "seq_len": args.seq_len}
-
-
-class Yardstick:
-    """Held-out blocks of both pytext domains and the source's log-probabilities on them."""
-
-    def __init__(self, model: str, eval_tokens: int, seq_len: int):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(model)
-        n_blocks = eval_tokens // seq_len
-        self.blocks = {d: token_blocks(iter_texts(f"pytext:heldout:{d}"), tok, seq_len, n_blocks) for d in DOMAINS}
-        source_model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-        self.source_logp = {d: logprobs(source_model, ids) for d, ids in self.blocks.items()}
-        del source_model
-        self.targets = {d: [b[:, 1:].reshape(-1) for b in ids.split(4)] for d, ids in self.blocks.items()}
-        self.source = {d: agreement(zip(self.source_logp[d], self.source_logp[d], self.targets[d]))["source_perplexity"]
-                       for d in DOMAINS}
-
-    def measure(self, model_dir: Path) -> dict:
-        return measure(model_dir, self.source_logp, self.blocks, self.targets)
-
-    def measure_model(self, model) -> dict:
-        return measure_model(model, self.source_logp, self.blocks, self.targets)
 
 
 def run_cells(out: Path, cells: list, yardstick: Yardstick, settings: dict) -> list[dict]:

@@ -176,13 +176,26 @@ def freeze_rows(param: torch.nn.Parameter, rows: int) -> None:
     param.register_hook(hook)
 
 
-def adamw_groups(params: Sequence[torch.nn.Parameter], stage_of: Sequence[int | None]) -> list[dict]:
-    """AdamW parameter groups, one per first stage, each with its `first_stage` (the trainer zeroes the lr of a
-    group until its stage starts)."""
+def adamw_groups(params: Sequence[torch.nn.Parameter], stage_of: Sequence[int | None],
+                 lr_of: Sequence[float] | None = None) -> list[dict]:
+    """AdamW parameter groups, one per (first stage, lr multiplier), each with its `first_stage` (the trainer
+    zeroes the lr of a group until its stage starts) and `lr_multiplier`."""
+    lr_of = list(lr_of) if lr_of is not None else [1.0] * len(params)
+    keys = list(zip(stage_of, lr_of))
     groups = []
-    for first in sorted({g for g in stage_of if g is not None}):
-        groups.append({"params": [p for p, g in zip(params, stage_of) if g == first], "first_stage": first})
+    for first, mult in sorted({k for k in keys if k[0] is not None}):
+        groups.append({"params": [p for p, k in zip(params, keys) if k == (first, mult)], "first_stage": first,
+                       "lr_multiplier": mult})
     return groups
+
+
+def matches(name: str, pattern: str) -> bool:
+    """A parameter name against a recipe pattern: 'all', 'attention' (self_attn), or a substring."""
+    if pattern == "all":
+        return True
+    if pattern == "attention":
+        return ".self_attn." in name
+    return pattern in name
 
 
 def stage_groups(names: Sequence[str], stages: Sequence[Sequence[str]]) -> list[int | None]:
@@ -190,15 +203,12 @@ def stage_groups(names: Sequence[str], stages: Sequence[Sequence[str]]) -> list[
 
     None: no stage trains it, so it stays frozen for the whole run.
     """
-
-    def matches(name: str, pattern: str) -> bool:
-        if pattern == "all":
-            return True
-        if pattern == "attention":
-            return ".self_attn." in name
-        return pattern in name
-
     return [next((i for i, pats in enumerate(stages) if any(matches(n, p) for p in pats)), None) for n in names]
+
+
+def lr_multipliers(names: Sequence[str], multipliers: dict[str, float]) -> list[float]:
+    """For each parameter, the multiplier of the first pattern it matches (1 when none does)."""
+    return [next((m for p, m in multipliers.items() if matches(n, p)), 1.0) for n in names]
 
 
 def apply_lora(model, lora):

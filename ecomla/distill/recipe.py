@@ -106,6 +106,12 @@ class TrainConfig:
         "train it at its natural size like every other scaled tensor, or freeze it (only kv_b_proj and the rest "
         "learn). Other students have no such rows"
     )
+    lr_multipliers: dict[str, float] = knob(
+        default_factory=dict, help="Per-group learning rates: parameter name pattern ('attention' for self_attn, "
+        "or a substring such as mlp or embed_tokens) -> multiplier of train.lr; the first pattern a parameter "
+        "matches wins, the others take lr itself. E.g. {mlp: 0.1} trains the unconverted MLPs ten times slower "
+        "than the converted attention"
+    )
     total_tokens: int = knob(help="Tokens to train on (the step count is derived from the global batch)")
     global_batch_tokens: int = knob(393216, help="Tokens per optimizer step over all ranks (X-EcoMLA: 192 × 2048)")
     micro_batch_size: int = knob(4, help="Sequences per rank per forward pass")
@@ -131,6 +137,7 @@ class TrainConfig:
             problems.append("betas: two values")
         if self.micro_batch_size < 1:
             problems.append("micro_batch_size: must be >= 1")
+        problems += [f"lr_multipliers.{k}: must be >= 0, got {v}" for k, v in self.lr_multipliers.items() if not v >= 0]
         return problems
 
 

@@ -273,10 +273,11 @@ class DistillRun:
         else:
             stage_of = [0] * len(names)
             self.stage_bounds = np.array([1.0])
-        groups = models.adamw_groups(params, stage_of)
+        groups = models.adamw_groups(params, stage_of, models.lr_multipliers(names, r.train.lr_multipliers))
         opt = torch.optim.AdamW([{"params": g["params"]} for g in groups], lr=r.train.lr,
                                 betas=tuple(r.train.betas), weight_decay=r.train.weight_decay)
         self.group_first_stage = [g["first_stage"] for g in groups]
+        self.group_lr_multiplier = [g["lr_multiplier"] for g in groups]
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=student, optimizer=opt, config=self.ds_config)
         if teacher_model is not None:
             if r.deepspeed.zero_stage == 3:
@@ -298,8 +299,8 @@ class DistillRun:
         t = self.recipe.train
         lr = lr_at(step, self.total_steps, t.lr, t.warmup_ratio, t.min_lr_ratio)
         stage = self.stage_at(step)
-        for group, first in zip(self.optimizer.param_groups, self.group_first_stage):
-            group["lr"] = lr if first <= stage else 0.0
+        for group, first, mult in zip(self.optimizer.param_groups, self.group_first_stage, self.group_lr_multiplier):
+            group["lr"] = lr * mult if first <= stage else 0.0
         return lr
 
     def _loss_sums(self, batch: dict, indices: list[int], teacher=None, spec: LossConfig | None = None):

@@ -53,6 +53,15 @@ class AttentionShape:
         return 2 * self.num_kv_heads * self.head_dim
 
 
+def parse_budget(text: str) -> tuple[int, int]:
+    """'64+32' -> (kv_lora_rank, qk_rope_head_dim); a ValueError that says the format otherwise."""
+    try:
+        r_kv, d_r = (int(x) for x in text.split("+"))
+    except ValueError:
+        raise ValueError(f"{text!r}: a budget is R_KV+D_R, e.g. 64+32") from None
+    return r_kv, d_r
+
+
 def mla_elements(kv_lora_rank: int, rope_dim: int) -> int:
     """Numbers cached per token and layer by MLA: r + d_r."""
     return kv_lora_rank + rope_dim

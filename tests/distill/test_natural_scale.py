@@ -54,10 +54,13 @@ def test_export_gives_the_stock_names_and_the_stored_values_back():
     assert models.stock_name("0.parametrizations.weight.original") == "0.weight"
 
 
-def test_groups_split_by_stage_and_frozen_rows_keep_their_place():
-    a, b, c = (torch.nn.Parameter(torch.ones(3, 2)) for _ in range(3))
-    groups = models.adamw_groups([a, b, c], [0, 1, None])
-    assert [(g["first_stage"], len(g["params"])) for g in groups] == [(0, 1), (1, 1)]
+def test_groups_split_by_stage_and_lr_multiplier_and_frozen_rows_keep_their_place():
+    a, b, c, d = (torch.nn.Parameter(torch.ones(3, 2)) for _ in range(4))
+    names = ["m.layers.0.self_attn.q_proj.weight", "m.layers.0.mlp.up.weight", "m.norm.weight", "m.layers.1.mlp.x"]
+    mults = models.lr_multipliers(names, {"attention": 2.0, "mlp": 0.1})
+    assert mults == [2.0, 0.1, 1.0, 0.1]
+    groups = models.adamw_groups([a, b, c, d], [0, 1, None, 1], mults)
+    assert [(g["first_stage"], g["lr_multiplier"], len(g["params"])) for g in groups] == [(0, 2.0, 1), (1, 0.1, 2)]
     models.freeze_rows(b, 1)
     (b * torch.arange(6.0).view(3, 2)).sum().backward()
     assert b.grad[0].abs().sum() == 0 and b.grad[1:].abs().sum() > 0

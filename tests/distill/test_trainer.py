@@ -213,6 +213,18 @@ def test_stage_schedule_freezes_what_it_should(world, tmp_path):
     assert any(not torch.equal(after[n], before[n]) for n in after if ".self_attn." in n)
 
 
+def test_lr_multipliers_set_each_groups_learning_rate(world, tmp_path):
+    """{mlp: 0}: the MLPs keep their weights while attention and the rest train at train.lr."""
+    out = tmp_path / "run"
+    r = w.recipe(world, out, train={"lr_multipliers": {"mlp": 0.0}, "total_tokens": 256 * 3})
+    proc = w.run(w.write_recipe(tmp_path / "r.yaml", r))
+    assert proc.returncode == 0, w.errors(proc)
+    before, after = _weights(world["student"]), _weights(out / "final")
+    assert all(torch.equal(p, before[n]) for n, p in after.items() if ".mlp." in n)
+    assert any(not torch.equal(after[n], before[n]) for n in after if ".self_attn." in n)
+    assert any(not torch.equal(after[n], before[n]) for n in after if "embed_tokens" in n)
+
+
 def test_lora_merges_into_a_stock_checkpoint(world, tmp_path):
     out = tmp_path / "run"
     r = w.recipe(world, out, train={"mode": "lora", "lora": {"r": 4, "alpha": 8.0}, "total_tokens": 256 * 3, "lr": 1e-2})
