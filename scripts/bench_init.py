@@ -29,6 +29,7 @@ from pathlib import Path
 
 from ecomla.analyze.yardstick import Yardstick
 from ecomla.convert import presets
+from ecomla.convert.recipe import preset_recipe
 from ecomla.convert.stream import convert_recipe
 from ecomla.mla.budget import parse_budget
 from oneshot_table import plot, run_cells, run_settings  # the sibling script: scripts/ is on sys.path
@@ -39,7 +40,7 @@ BUDGETS = ("128+64", "64+64", "64+32", "28+32")
 
 def convert(args, preset: str, r_kv: int, d_r: int, out: Path, off: dict | None = None) -> dict:
     """One cell: `preset` at r_kv + d_r, with the keys in `off` (section -> key -> value) set over it."""
-    recipe = presets.preset_recipe(args.model, str(out), preset, r_kv, d_r, calibration_tokens=args.calibration_tokens,
+    recipe = preset_recipe(args.model, str(out), preset, r_kv, d_r, calibration_tokens=args.calibration_tokens,
                                    seq_len=args.seq_len, overrides=off)
     return convert_recipe(recipe, force=True, progress=False)
 

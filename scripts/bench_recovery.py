@@ -29,6 +29,7 @@ from pathlib import Path
 
 from ecomla.analyze.yardstick import DOMAINS, Yardstick
 from ecomla.convert import presets
+from ecomla.convert.recipe import preset_recipe
 from ecomla.mla.budget import parse_budget
 
 
@@ -64,7 +65,7 @@ def convert(args, preset: str, out: Path) -> None:
 
     r_kv, d_r = parse_budget(args.budget)
     off = {"mla": {"latent_norm": args.latent_norm}} if args.latent_norm else None
-    recipe = presets.preset_recipe(args.model, str(out), preset, r_kv, d_r, calibration_tokens=args.calibration_tokens,
+    recipe = preset_recipe(args.model, str(out), preset, r_kv, d_r, calibration_tokens=args.calibration_tokens,
                                    seq_len=args.seq_len, overrides=off)
     convert_recipe(recipe, force=True, progress=False)
 

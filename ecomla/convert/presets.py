@@ -94,19 +94,3 @@ def expansion(name: str | None, mla: Any, init: Any) -> dict | None:
     used = {dot: getattr(sections[dot.split(".")[0]], dot.split(".")[1]) for dot in keys}
     return {"name": name, "keys": keys, "overridden": {dot: v for dot, v in used.items() if v != keys[dot]}}
 
-
-def preset_recipe(model: str, output_dir: str, preset: str, kv_lora_rank: int, qk_rope_head_dim: int, *,
-                  calibration_tokens: int, seq_len: int, overrides: dict[str, dict[str, Any]] | None = None):
-    """The convert recipe the benchmarks use for `preset` at r_kv + d_r: fp32 on CPU, calibrated on
-    `calibration_tokens` of `pytext:calibration` (no held-out split), with `overrides` (section -> key -> value)
-    set over the preset's keys."""
-    from ecomla.convert.recipe import ConvertRecipe
-    from ecomla.recipe.schema import load_recipe
-
-    overrides = overrides or {}
-    data = {"model": model, "output_dir": output_dir, "dtype": "float32", "device": "cpu",
-            "mla": {"kv_lora_rank": kv_lora_rank, "qk_rope_head_dim": qk_rope_head_dim, **overrides.get("mla", {})},
-            "init": {"preset": preset, "calibration": {"dataset": "pytext:calibration", "num_tokens": calibration_tokens,
-                                                       "seq_len": seq_len, "heldout_tokens": 0},
-                     **overrides.get("init", {})}}
-    return load_recipe(ConvertRecipe, data=data)

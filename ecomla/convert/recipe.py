@@ -356,3 +356,19 @@ class ConvertRecipe:
             if self.init != InitConfig():
                 problems.append(f"init: only target mla reads this section, but target is {self.target}; remove it")
         return problems
+
+
+def preset_recipe(model: str, output_dir: str, preset: str, kv_lora_rank: int, qk_rope_head_dim: int, *,
+                  calibration_tokens: int, seq_len: int, overrides: dict[str, dict] | None = None) -> ConvertRecipe:
+    """The convert recipe the benchmarks use for `preset` at r_kv + d_r: fp32 on CPU, calibrated on
+    `calibration_tokens` of `pytext:calibration` (no held-out split), with `overrides` (section -> key -> value)
+    set over the preset's keys."""
+    from ecomla.recipe.schema import load_recipe
+
+    overrides = overrides or {}
+    data = {"model": model, "output_dir": output_dir, "dtype": "float32", "device": "cpu",
+            "mla": {"kv_lora_rank": kv_lora_rank, "qk_rope_head_dim": qk_rope_head_dim, **overrides.get("mla", {})},
+            "init": {"preset": preset, "calibration": {"dataset": "pytext:calibration", "num_tokens": calibration_tokens,
+                                                       "seq_len": seq_len, "heldout_tokens": 0},
+                     **overrides.get("init", {})}}
+    return load_recipe(ConvertRecipe, data=data)
