@@ -122,7 +122,10 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=".cache/bench_decode/bench_decode.json")
+    ap.add_argument("--vocab", type=int, default=SHAPE["vocab_size"],
+                    help="vocabulary size (Llama-3's 128,256 by default; smaller for a quick smoke run)")
     args = ap.parse_args()
+    SHAPE["vocab_size"] = args.vocab
     dtype = getattr(torch, args.dtype)
     contexts = [int(c) for c in args.contexts.split(",")]
     models = build(args.layers, dtype, args.device)

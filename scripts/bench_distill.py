@@ -22,6 +22,10 @@ Three measurements, each reported as a ratio of things measured side by side in 
    an MLA student converted by `ecomla convert` from a small random Llama: median `tokens_per_s`
    of metrics.jsonl after the first 3 steps, and ZeRO-3 / ZeRO-2.
 
+4. With --real: the cost of intermediate-layer distillation (loss.ild_weight) on those checkpoints, the
+   teacher serving as the ILD source: a KD step with and without it (loss.recompute false), each step kind in a
+   child of its own, so that its peak RSS is its own; ILD / KD for the median step time and for the peak RSS.
+
 Why child processes: peak RSS is a per-process high-water mark that never comes down, so each
 measurement runs in a fresh child (this script with a hidden --child mode) and its own ru_maxrss
 is read with os.wait4 when it exits (RUSAGE_CHILDREN would give the max over all children so far).
@@ -98,9 +102,10 @@ def child_kd(spec: dict) -> dict:
     batch = {"tokens": tokens, "segments": torch.ones(B, T, dtype=torch.long), "loss_mask": torch.ones(B, T)}
     live = LiveTeacher(teacher, 1.0)
 
-    def kd_step(recompute: bool = True) -> None:
-        sums = batch_loss(student, live, batch, list(range(B)), LossConfig(recompute=recompute), cross_document=True,
-                          dtype=torch.float32, device=torch.device("cpu"), chunk_tokens=1024)
+    def kd_step(recompute: bool = True, ild: float = 0.0) -> None:
+        sums = batch_loss(student, live, batch, list(range(B)), LossConfig(recompute=recompute, ild_weight=ild),
+                          cross_document=True, dtype=torch.float32, device=torch.device("cpu"), chunk_tokens=1024,
+                          ild_source="teacher" if ild else None)
         (sums.total / sums.tokens).backward()
 
     def ce_step() -> None:
@@ -113,6 +118,9 @@ def child_kd(spec: dict) -> dict:
 
     steps = {"kd_step": kd_step, "kd_step_no_recompute": lambda: kd_step(False), "ce_step": ce_step,
              "teacher_forward": teacher_forward}
+    if spec.get("only"):  # one step kind alone, so that this child's peak RSS is that step's (part 4: ILD)
+        steps = {spec["only"]: {"kd_step_no_recompute": lambda: kd_step(False),
+                                "kd_ild_step": lambda: kd_step(False, ild=1.0)}[spec["only"]]}
     times: dict[str, list[float]] = {name: [] for name in steps}
     for i in range(spec["warmup"] + spec["repeats"]):
         for name, fn in steps.items():  # interleaved, so a change of machine load hits all three alike
@@ -125,6 +133,22 @@ def child_kd(spec: dict) -> dict:
             "student_params": sum(p.numel() for p in student.parameters()),
             "teacher_params": sum(p.numel() for p in teacher.parameters()),
             **{name: {"median_s": statistics.median(t), "all_s": t} for name, t in times.items()}}
+
+
+def bench_ild(size: dict, threads: int, work: Path, student: str, teacher: str) -> dict:
+    """Part 4: a KD step with and without intermediate-layer distillation (the teacher as the ILD source, so
+    one teacher forward serves both), each in a child of its own: median step time and peak RSS, as ratios."""
+    rows = {}
+    for name in ("kd_step_no_recompute", "kd_ild_step"):
+        print(f"  ild: {name} ...", flush=True)
+        spec = {**size, "only": name, "threads": threads, "student_dir": str(Path(student).resolve()),
+                "teacher_dir": str(Path(teacher).resolve())}
+        res, rss = child("kd", spec, work, f"ild_{name}", MALLOC)
+        rows[name] = {"median_s": res[name]["median_s"], "all_s": res[name]["all_s"], "maxrss_bytes": rss}
+    kd, ild = rows["kd_step_no_recompute"], rows["kd_ild_step"]
+    return {"sizes": {**size, "student": student, "teacher": teacher}, "runs": rows, "threads": threads,
+            "time_ild_over_kd": ild["median_s"] / kd["median_s"],
+            "peak_rss_ild_over_kd": ild["maxrss_bytes"] / kd["maxrss_bytes"]}
 
 
 def child_mem(spec: dict) -> dict:
@@ -322,6 +346,14 @@ def print_tables(r: dict) -> None:
         print(f"  (chunked_N: chunked_loss, checkpoint=True, chunk N; unchunked_lib: chunked_loss in one chunk, no "
               f"checkpoint;\n   loss spread {mm['loss_spread']:.1e}; seconds: forward + backward on {mm['threads']} "
               f"threads under MALLOC_MMAP_THRESHOLD_={MALLOC['MALLOC_MMAP_THRESHOLD_']})")
+    if "ild" in r:
+        x, s = r["ild"], r["ild"]["sizes"]
+        print(f"\n4. Intermediate-layer distillation on {s['student']} from {s['teacher']} ({s['batch']}x{s['seq']} "
+              f"tokens, loss.recompute false, {x['threads']} threads; each step kind in its own child)")
+        for name, label in (("kd_step_no_recompute", "KD step"), ("kd_ild_step", "KD + ILD step (ild_weight 1)")):
+            row = x["runs"][name]
+            print(f"  {label:<30} {row['median_s']:8.3f} s   peak RSS {row['maxrss_bytes'] / MiB:8.0f} MiB")
+        print(f"  time ILD / KD {x['time_ild_over_kd']:.3f}   peak RSS ILD / KD {x['peak_rss_ild_over_kd']:.3f}")
     if "zero" in r:
         z = r["zero"]
         print(f"\n3. ecomla distill on 2 processes ({z['precision']}, seq {z['seq_len']}, {z['sequences_per_step']} "
@@ -340,7 +372,7 @@ def main() -> int:
     p.add_argument("--workdir", type=Path, default=Path(".cache/bench_distill"), help="child logs and run outputs")
     p.add_argument("--keep", action="store_true", help="keep the ZeRO models and run outputs")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads of the one-process parts")
-    p.add_argument("--skip", nargs="*", default=[], choices=["kd", "memory", "zero"], help="parts to leave out")
+    p.add_argument("--skip", nargs="*", default=[], choices=["kd", "memory", "zero", "ild"], help="parts to leave out")
     p.add_argument("--real", nargs=2, metavar=("STUDENT", "TEACHER"), default=None,
                    help="also part 1 on real checkpoints, e.g. an `ecomla convert` output of SmolLM2 and SmolLM2 "
                    "itself (fp32, 4x512 tokens: the main job's micro-batch)")
@@ -377,6 +409,8 @@ def main() -> int:
         kd["a_no_recompute_over_b_plus_c"] = (kd["kd_step_no_recompute"]["median_s"]
                                               / (kd["ce_step"]["median_s"] + kd["teacher_forward"]["median_s"]))
         result["kd_real"] = kd
+        if "ild" not in args.skip:
+            result["ild"] = bench_ild(KD_REAL[preset], args.threads, work, *args.real)
     if "zero" not in args.skip:
         result["zero"] = bench_zero(ZERO[preset], work, args.keep)
     result["wall_s"] = time.perf_counter() - t0

@@ -93,6 +93,15 @@ def lr_at(step: int, total: int, peak: float, warmup_ratio: float, min_ratio: fl
     return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
+def peak_memory_gib(device: torch.device) -> float:
+    """The run's peak memory so far: allocated on a CUDA device, else this process's maximum RSS."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
 def _rng_state() -> dict:
     return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
@@ -361,6 +370,7 @@ class DistillRun:
                     "target_tokens": int(n_step)}
             if self.spec.uses_ild:
                 last["ild"] = ild
+            last["peak_memory_gib"] = peak_memory_gib(dist.device)
             if self._due(step, r.log.eval_every_steps) and self.eval_data is not None:
                 last.update(self.evaluate())
             logger.log(last, metrics_path)
