@@ -34,6 +34,7 @@ from ecomla.convert.source import LayerRunner
 from ecomla.convert.to_mla import SourceAttention
 from ecomla.convert.walk import embed, layer_tensors, normalized_input, source_attention
 from ecomla.data.text import token_blocks
+from ecomla.io.publish import publish
 from ecomla.recipe.schema import knob, load_recipe, recipe_to_dict, save_recipe
 
 
@@ -179,10 +180,7 @@ def run_recon(recipe: ReconRecipe, *, force: bool = False, progress: bool = True
         (tmp / "recon.json").write_text(json.dumps(result, indent=2) + "\n")
         plot_recon(result, tmp / "recon.png")
         save_recipe(recipe, tmp / "ecomla_recipe.yaml")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
+        publish(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     for s in series:

@@ -20,7 +20,6 @@ import json
 import os
 import shutil
 import tempfile
-import uuid
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -29,6 +28,7 @@ import torch
 
 from ecomla.data.packing import Doc, PackedSequence, pack
 from ecomla.data.text import DataError
+from ecomla.io.publish import publish
 
 FORMAT_VERSION = 1
 _FIELDS = {"tokens": np.int32, "loss_mask": np.uint8, "segments": np.uint16}
@@ -147,16 +147,10 @@ class ShardWriter:
             "fill": round(self.num_tokens / total, 6), "shards": self._shards, **self.meta,
         }
         (self._tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-        if self.out_dir.exists():
-            if not self.overwrite:
-                self.abort()
-                raise DataError(f"{self.out_dir} appeared while writing; nothing was replaced")
-            old = self.out_dir.with_name(f".{self.out_dir.name}.old-{uuid.uuid4().hex[:8]}")
-            os.rename(self.out_dir, old)
-            os.rename(self._tmp, self.out_dir)
-            shutil.rmtree(old)
-        else:
-            os.rename(self._tmp, self.out_dir)
+        if self.out_dir.exists() and not self.overwrite:
+            self.abort()
+            raise DataError(f"{self.out_dir} appeared while writing; nothing was replaced")
+        publish(self._tmp, self.out_dir)
         self._tmp = None
         return self.out_dir
 

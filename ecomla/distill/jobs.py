@@ -15,6 +15,7 @@ from ecomla.distill.data import model_inputs, open_dataset, prepare_data
 from ecomla.distill.recipe import DistillRecipe
 from ecomla.distill.runtime import barrier, init_distributed
 from ecomla.distill.teacher import teacher_dtype, write_cache
+from ecomla.io.publish import publish
 
 
 def prepare(recipe: DistillRecipe, *, force: bool = False) -> list[Path]:
@@ -55,8 +56,7 @@ def teacher_cache(recipe: DistillRecipe, *, force: bool = False, progress: bool 
         barrier()
         if dist.is_main:
             (tmp / "meta.json.tmp").rename(tmp / "meta.json")
-            shutil.rmtree(out, ignore_errors=True)
-            tmp.rename(out)
+            publish(tmp, out)
             print(f"wrote {out}")
     except BaseException:
         if dist.is_main:

@@ -19,6 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from ecomla.convert import layout
 from ecomla.errors import UserError
 from ecomla.io.checkpoint import TOKENIZER_FILES, resolve_model_dir
+from ecomla.io.publish import publish
 
 
 class ModelSetupError(UserError, ValueError):
@@ -244,6 +245,4 @@ def export_model(model, state_dict: dict[str, torch.Tensor], out: Path, tokenize
             src = tokenizer_dir / name
             if src.is_file() and not (tmp / name).exists():
                 shutil.copy2(src, tmp / name)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    return out
+    return publish(tmp, out)

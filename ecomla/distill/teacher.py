@@ -99,7 +99,10 @@ class CachedTeacher:
                 out[k].append(torch.from_numpy(np.array(a[k][i // self.world])))
         return {k: torch.stack(v) for k, v in out.items()}
 
-    def prepare(self, inputs: dict, valid: torch.Tensor, indices: list[int]) -> TeacherFn:
+    def prepare(self, inputs: dict, valid: torch.Tensor, indices: list[int], catch: LayerCatch | None = None) -> TeacherFn:
+        """`catch` must be None: a cache holds no layers (ILD then runs its source model beside it)."""
+        if catch is not None:
+            raise ValueError("a cached teacher has no layers to catch; give ILD its source model")
         r = self.rows(indices)
         dev = valid.device
         idx, logp, tail = r["idx"].to(dev)[valid].long(), r["logp"].to(dev)[valid], r["tail"].to(dev)[valid]

@@ -24,6 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ecomla.errors import UserError
+from ecomla.io.publish import publish
 
 CONFIG_FILES = ("config.json",)
 # Files copied verbatim from a source checkpoint so the output tokenizes and
@@ -258,15 +259,9 @@ class AtomicCheckpointWriter:
     def commit(self) -> Path:
         """Finish the shards and move the directory into place (replacing an old one if allowed)."""
         self._finish_weights()
-        old = None
-        if self.destination.exists():
-            if not self.overwrite:
-                raise FileExistsError(f"{self.destination} appeared while converting; pass --force to replace it")
-            old = self.destination.with_name(f".{self.destination.name}.old-{os.getpid()}")
-            self.destination.rename(old)
-        self.tmp.rename(self.destination)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        if self.destination.exists() and not self.overwrite:
+            raise FileExistsError(f"{self.destination} appeared while converting; pass --force to replace it")
+        publish(self.tmp, self.destination)
         self._committed = True
         return self.destination
 
