@@ -107,10 +107,8 @@ class MLAConfig:
         "per head through the latent and kv_b_proj (exact at relative position 0, like partial RoPE's unkept pairs). "
         "latent_mean: the same dims, with the source's rotation of each pair averaged over the causal distances of "
         "rope_residual_context tokens (slow pairs kept, fast ones fade out). Both latent ones grow qk_nope_head_dim "
-        "by d_r and cost no cache. mean (X-EcoMLA) and single-KV-head sources have no residual. Measured "
-        "(scripts/measure_rope_key.py: a trained 4-layer, 2-KV-head Llama, no training after conversion, r_kv "
-        "32-256, d_r 8/16, rorope and rorope_act, rope_dims last and high): held-out perplexity vs drop, geometric "
-        "mean latent_mean 0.973 (0.927-1.009), latent 1.019 (0.926-1.257, worse wherever kept pairs turn fast)",
+        "by d_r and cost no cache. mean (X-EcoMLA) and single-KV-head sources have no residual. latent_mean is the "
+        "safe choice; latent hurts where the kept pairs turn fast (measurements: docs/convert.md)",
     )
     rope_residual_context: int | None = knob(
         None,
@@ -207,8 +205,8 @@ class InitConfig:
         "unweighted rows",
     )
     key_weight: float = knob(
-        1.0, help="objective=attention: weight of score errors against output errors (with best's other levers, "
-        "measured best near 1 on SmolLM2-135M at 2.0x and 0.5-1 at 4.0x; docs/convert.md#the-levers-of-best)"
+        1.0, help="objective=attention: weight of score errors against output errors; 1 weighs them as the "
+        "layer's output feels them (how it was chosen: docs/convert.md#the-levers-of-best)"
     )
     refit: Literal["none", "values"] = knob(
         "none",

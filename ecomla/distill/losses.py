@@ -103,7 +103,7 @@ class LossConfig:
     recompute: bool = knob(
         True, help="Recompute each chunk's logits (both heads) in backward, so only one chunk's (chunk, vocab) "
         "tensors are alive; false keeps every chunk's for backward (memory ∝ tokens × vocab) and saves the "
-        "recomputation: 13% of a KD step on SmolLM2 on 2 CPU cores (scripts/bench_distill.py --real)"
+        "recomputation. Choose false when tokens × vocab fits in memory (its cost: docs/benchmarks.md)"
     )
 
     ild_weight: float = knob(

@@ -40,12 +40,8 @@ is q_hᵀ·Rot(−Δθ_j)·r_g, Δ the query's position minus the key's.
                pairs; there each row keeps its own E[cos Δθ], see `residual_fold`.)
 Both cost no cache (still r_kv + d_r numbers per token); they add n_h·d_r query
 rows and kv_b_proj rows. `mean` stays X-EcoMLA as published and always drops.
-Measured by scripts/measure_rope_key.py on a trained tiny-world Llama (4 layers,
-d = 256, 2 KV heads, d_h = 64), converted without training, 32 cells (r_kv 32-256,
-d_r 8/16, rorope/rorope_act, rope_dims last/high): held-out perplexity against
-drop has geometric mean 0.973 for latent_mean (worse than drop in 2 cells, by
-< 1%) and 1.019 for latent (0.93 under `last`, whose source rows turn slowly, up
-to 1.26 under `high`, whose kept pairs turn fast). latent_mean is the default.
+latent_mean is the default: fast pairs fade out of it instead of hurting, which
+`latent` lets them do (the measurements behind this: docs/convert.md).
 A residual key bias only adds a per-query constant to the scores, which softmax
 ignores, so it is dropped exactly (as for the other no-RoPE rows).
 
