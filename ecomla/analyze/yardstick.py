@@ -29,20 +29,25 @@ def logprobs(model, ids: torch.Tensor) -> list[torch.Tensor]:
 
 
 class Yardstick:
-    """Held-out blocks of both pytext domains and the source's log-probabilities on them."""
+    """Held-out blocks of text (by default both pytext domains) and the source's log-probabilities on them.
 
-    def __init__(self, model: str, eval_tokens: int, seq_len: int):
+    `texts`: domain name -> dataset (anything `ecomla.data.text.iter_texts` reads: a named corpus, a local file
+    or directory), e.g. {"other": "runs/other_text"} to measure text of a kind nothing else here touches.
+    """
+
+    def __init__(self, model: str, eval_tokens: int, seq_len: int, texts: dict[str, str] | None = None):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        texts = texts or {d: f"pytext:heldout:{d}" for d in DOMAINS}
         tok = AutoTokenizer.from_pretrained(model)
         n_blocks = eval_tokens // seq_len
-        self.blocks = {d: token_blocks(iter_texts(f"pytext:heldout:{d}"), tok, seq_len, n_blocks) for d in DOMAINS}
+        self.blocks = {d: token_blocks(iter_texts(src), tok, seq_len, n_blocks) for d, src in texts.items()}
         source_model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
         self.source_logp = {d: logprobs(source_model, ids) for d, ids in self.blocks.items()}
         del source_model
         self.targets = {d: [b[:, 1:].reshape(-1) for b in ids.split(4)] for d, ids in self.blocks.items()}
         self.source = {d: agreement(zip(self.source_logp[d], self.source_logp[d], self.targets[d]))["source_perplexity"]
-                       for d in DOMAINS}
+                       for d in self.blocks}
 
     def measure(self, model_dir: str | Path) -> dict:
         from transformers import AutoModelForCausalLM

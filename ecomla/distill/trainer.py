@@ -93,6 +93,12 @@ def lr_at(step: int, total: int, peak: float, warmup_ratio: float, min_ratio: fl
     return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
+def local_grad_norm(model) -> float:
+    """The 2-norm of every gradient the model holds (whole tensors: ZeRO-0), before clipping."""
+    norms = [p.grad.detach().float().norm() for p in model.parameters() if p.grad is not None]
+    return float(torch.stack(norms).norm()) if norms else 0.0
+
+
 def peak_memory_gib(device: torch.device) -> float:
     """The run's peak memory so far: allocated on a CUDA device, else this process's maximum RSS."""
     if device.type == "cuda":
@@ -348,7 +354,8 @@ class DistillRun:
             n_step = all_reduce_sum([local_targets], dist.device)[0]
             scale = dist.world_size * self.grad_accum / max(1.0, n_step)
             sums = [0.0, 0.0, 0.0, 0.0]
-            for ix, batch in zip(micro, batches):
+            grad_norm = None
+            for j, (ix, batch) in enumerate(zip(micro, batches)):
                 loss_sums = self._loss_sums(batch, ix)
                 finite = all_reduce_sum([float(torch.isfinite(loss_sums.total).item() is False)], dist.device)[0] == 0
                 if not finite:
@@ -357,6 +364,8 @@ class DistillRun:
                         f"is in {self.ckpt_dir} (lower train.lr, or check the data)"
                     )
                 self.engine.backward(loss_sums.total * scale)
+                if j == len(micro) - 1 and r.deepspeed.zero_stage == 0:  # ZeRO-0 keeps whole gradients: their norm
+                    grad_norm = local_grad_norm(self.engine.module)
                 self.engine.step()
                 ild = loss_sums.ild if loss_sums.ild is not None else loss_sums.total.new_zeros(())
                 sums = [a + float(b.detach()) for a, b in zip(sums, (loss_sums.total, loss_sums.kd, loss_sums.ce, ild))]
@@ -371,6 +380,10 @@ class DistillRun:
             if self.spec.uses_ild:
                 last["ild"] = ild
             last["peak_memory_gib"] = peak_memory_gib(dist.device)
+            if grad_norm is None:
+                grad_norm = self.engine.get_global_grad_norm()  # before clipping; None where not computed
+            if grad_norm is not None:
+                last["grad_norm"] = float(grad_norm)
             if self._due(step, r.log.eval_every_steps) and self.eval_data is not None:
                 last.update(self.evaluate())
             logger.log(last, metrics_path)
