@@ -41,13 +41,27 @@ class Stage:
     keys: dict
 
 
+# Per-group learning rates (docs/recovery.md#per-group-learning-rates): the base lr is --group-lr-scale x --lr,
+# and the groups whose one Adam step moved held-out KL most take a fraction of it.
+GROUP_LR = {"kv_b_proj": 0.1, "kv_a_proj": 0.3, "mlp": 0.3}
+
+
+def group_lr(a, keys: dict | None = None) -> dict:
+    train = {"lr": a.lr * a.group_lr_scale, "lr_multipliers": GROUP_LR}
+    return {**(keys or {}), "train": {**(keys or {}).get("train", {}), **train}}
+
+
 # name -> stages. kd-frozen-basis is the recipe every earlier curve ran (KD only, the latent basis frozen);
 # ILD weight and share come from --ild-weight and --ild-share.
 RECIPES = {
     "kd-frozen-basis": lambda a: [Stage(1.0, {"train": {"latent_basis": "freeze"}})],
     "kd": lambda a: [Stage(1.0, {})],
+    "kd-group-lr": lambda a: [Stage(1.0, group_lr(a))],
     "ild+kd": lambda a: [Stage(1.0, {"loss": {"ild_weight": a.ild_weight}})],
     "ild>kd": lambda a: [Stage(a.ild_share, {"loss": {"kd_weight": 0.0, "ild_weight": 1.0}}), Stage(1 - a.ild_share, {})],
+    "ild+kd-group-lr": lambda a: [Stage(1.0, group_lr(a, {"loss": {"ild_weight": a.ild_weight}}))],
+    "ild>kd-group-lr": lambda a: [Stage(a.ild_share, group_lr(a, {"loss": {"kd_weight": 0.0, "ild_weight": 1.0}})),
+                                  Stage(1 - a.ild_share, group_lr(a))],
     "attention>all": lambda a: [Stage(1.0, {"train": {"mode": "stages", "stages": [
         {"trainable": ["attention"], "fraction": a.ild_share}, {"trainable": ["all"], "fraction": 1 - a.ild_share}]}})],
     "attention-only": lambda a: [Stage(1.0, {"train": {"mode": "stages", "stages": [{"trainable": ["attention"]}]}})],
@@ -108,8 +122,10 @@ def point(tokens: int, seconds: float, m: dict) -> dict:
     return row
 
 
-def curve(args, preset: str, recipe: str, yardstick: Yardstick, out: Path, start: dict) -> dict:
-    """Distil `preset`'s student with `recipe`, measuring it every --measure-every tokens."""
+def curve(args, preset: str, recipe: str, yardstick: Yardstick, out: Path, start: dict,
+          other: Yardstick | None = None) -> dict:
+    """Distil `preset`'s student with `recipe`, measuring it every --measure-every tokens (and on --other-text at
+    the end)."""
     from ecomla.distill.recipe import DistillRecipe
     from ecomla.distill.trainer import DistillRun
     from ecomla.recipe.schema import load_recipe
@@ -141,9 +157,17 @@ def curve(args, preset: str, recipe: str, yardstick: Yardstick, out: Path, start
         del job
         student, done = run_dir / "final", done + tokens
     rates = sorted(m["tokens_per_s"] for m in metrics if "tokens_per_s" in m)
-    return {"preset": preset, "recipe": recipe, "name": name, "points": points, "train_seconds": round(train_s, 1),
-            "stages": [{"share": s.share, "keys": s.keys} for s in stages],
-            "tokens_per_s": rates[len(rates) // 2], "kd_loss": [m["kd"] for m in metrics if "kd" in m]}
+    result = {"preset": preset, "recipe": recipe, "name": name, "points": points, "train_seconds": round(train_s, 1),
+              "stages": [{"share": s.share, "keys": s.keys} for s in stages],
+              "tokens_per_s": rates[len(rates) // 2], "kd_loss": [m["kd"] for m in metrics if "kd" in m]}
+    if other is not None:
+        result["other"] = {"tokens": done, **other_point(other, student)}
+    return result
+
+
+def other_point(other: Yardstick, model_dir: Path) -> dict:
+    m = other.measure(model_dir)["other"]
+    return {"perplexity": m["converted_perplexity"], "kl": m["kl_source_to_converted"], "top1": m["top1_agreement"]}
 
 
 def tokens_to_reach(points: list[dict], domain: str, target: float) -> float | None:
@@ -207,6 +231,17 @@ def table(result: dict) -> str:
     lines += ["", "Tokens/s (median step, measurements excluded): "
               + ", ".join(f"{c['name']} {c['tokens_per_s']:.0f}" for c in result["curves"]), ""]
     lines += efficiency(result["curves"]) + [""]
+    if "other" in result:
+        o = result["other"]
+        lines += [f"On {o['text']} (text of another kind; source perplexity {o['source']:.2f}):"]
+        for p, start in o["start"].items():
+            lines.append(f"- {p} converted: perplexity {start['perplexity']:.2f} ({start['perplexity'] / o['source']:.2f}x "
+                         f"the source), KL {start['kl']:.3f}")
+        for c in result["curves"]:
+            x = c["other"]
+            lines.append(f"- {c['name']} after {x['tokens']:,} tokens: perplexity {x['perplexity']:.2f} "
+                         f"({x['perplexity'] / o['source']:.2f}x the source), KL {x['kl']:.3f}")
+        lines.append("")
     for c in result["curves"]:
         for d in DOMAINS:
             target = 1.2 * src[d]
@@ -265,12 +300,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (every stage)")
     p.add_argument("--warmup-ratio", type=float, default=0.1, help="share of a stage's steps with linear warm-up")
     p.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine decays to lr × this")
+    p.add_argument("--group-lr-scale", type=float, default=3.0, help="*-group-lr: the base lr as a multiple of --lr "
+                   f"(the groups {', '.join(f'{k} x{v}' for k, v in GROUP_LR.items())} take a share of it)")
     p.add_argument("--ild-weight", type=float, default=1.0, help="ild+kd: loss.ild_weight beside KD")
     p.add_argument("--ild-share", type=float, default=0.25,
                    help="ild>kd: share of the tokens trained on ILD alone; attention>all: share on attention alone")
     p.add_argument("--dataset", default="pytext:train", help="training data (pytext:train: prose and code "
                    "alternating; pytext:train:code: code alone, 100x more of it)")
     p.add_argument("--train-documents", type=int, default=40, help="documents of --dataset read")
+    p.add_argument("--other-text", default=None, help="also measure each student before and after distillation on "
+                   "this text (a file or directory of .txt), e.g. English of a kind nothing else here touches")
     p.add_argument("--calibration-tokens", type=int, default=16384, help="calibration tokens, every preset")
     p.add_argument("--eval-tokens", type=int, default=4096, help="held-out tokens per domain")
     p.add_argument("--seq-len", type=int, default=512, help="sequence length for every stage")
@@ -301,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     kept.write_text(json.dumps(settings, indent=2) + "\n")
     t0 = time.time()
     yardstick = Yardstick(args.model, args.eval_tokens, args.seq_len)
+    other = Yardstick(args.model, args.eval_tokens, args.seq_len, {"other": args.other_text}) if args.other_text else None
+    other_start = {}
     curves = []
     for preset in args.inits:
         model_dir = out / preset / "model"
@@ -309,9 +350,13 @@ def main(argv: list[str] | None = None) -> int:
             convert(args, preset, model_dir)
         start = point(0, 0.0, yardstick.measure(model_dir))
         print(f"{preset}: converted ({time.time() - t:.0f} s): {json.dumps(start)}", flush=True)
-        curves += [curve(args, preset, recipe, yardstick, out, start) for recipe in args.recipes]
+        if other is not None:
+            other_start[preset] = other_point(other, model_dir)
+        curves += [curve(args, preset, recipe, yardstick, out, start, other) for recipe in args.recipes]
     result = {"model": args.model, "budget": args.budget, "source": yardstick.source, "args": vars(args),
               "curves": curves, "wall_seconds": time.time() - t0}
+    if other is not None:
+        result["other"] = {"text": args.other_text, "source": other.source["other"], "start": other_start}
     (out / "curves.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / "table.md").write_text(table(result))
     plot(result, out / "chart.png")

@@ -42,6 +42,15 @@ def _pct(x: float | None) -> str:
     return "–" if x is None else f"{100 * x:.2f}"
 
 
+def average_stderr(r: dict, averaged: list[str]) -> float | None:
+    """The standard error of a model's average: sqrt(Σ s.e.²) / k over its k averaged tasks (independent tasks;
+    None when lm-eval gave no standard error for one of them)."""
+    errors = [r["tasks"][t].get("stderr") for t in averaged]
+    if not errors or any(e is None for e in errors):
+        return None
+    return sum(e * e for e in errors) ** 0.5 / len(errors)
+
+
 def line_label(r: dict) -> str | None:
     """Which chart line a result belongs to (None: not a student, so not a line)."""
     if r.get("role") != "student":
@@ -68,7 +77,8 @@ def summarize(results: list[dict]) -> dict:
 def markdown(summary: dict) -> str:
     tasks, metrics, averaged = summary["tasks"], summary["metrics"], summary["averaged"]
     short = {t: t.removeprefix("tinyworld_") for t in tasks}
-    head = ["model", "params", "KV ratio", "KV B/token"] + [f"{short[t]} ({metrics[t]})" for t in tasks] + ["average"]
+    head = ["model", "params", "KV ratio", "KV B/token"] + [f"{short[t]} ({metrics[t]})" for t in tasks] + ["average",
+                                                                                                        "± s.e."]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in summary["models"]:
         kv = r["kv"]
@@ -79,7 +89,7 @@ def markdown(summary: dict) -> str:
             cell = r["tasks"][t]
             v = cell["value"]
             cells.append(_pct(v) if t in averaged else f"{v:.2f}")
-        cells.append(_pct(r["average"]))
+        cells += [_pct(r["average"]), _pct(average_stderr(r, averaged))]
         rows.append("| " + " | ".join(cells) + " |")
     notes = [
         "",
@@ -94,6 +104,11 @@ def markdown(summary: dict) -> str:
     items = {t: n for t, n in summary.get("task_items", {}).items() if n is not None}
     if items:
         notes.append("Items scored per task: " + ", ".join(f"{short[t]} {n}" for t, n in items.items()) + ".")
+        covered = [items[t] for t in averaged if t in items]
+        if len(covered) == len(averaged):
+            notes.append(f"The average covers {sum(covered)} items; ± s.e. is its standard error, from lm-eval's per-task "
+                         "standard errors with the tasks taken as independent. Two averages closer than about twice "
+                         "their standard errors are not told apart by these items.")
     return "\n".join(rows + notes) + "\n"
 
 

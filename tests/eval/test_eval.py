@@ -187,10 +187,12 @@ def test_report_rebuilds_table_and_chart_from_saved_results(tmp_path):
     rows = [line for line in md.splitlines() if line.startswith("| ")][1:]
     assert [r.split(" | ")[0].strip("| ") for r in rows] == [
         "base", "teacher-8x", "6.4x-svd", "6.4x-svd-t8", "12.8x-svd-t8", "12.8x-random-t8"]  # recipe order
-    for row in rows:  # the average shown is the mean of the per-task scores shown
+    for row in rows:  # the average shown is the mean of the per-task scores shown, with its standard error
         cells = [c.strip() for c in row.strip("|").split("|")]
-        scores, avg = [float(c) for c in cells[4:7]], float(cells[-1])
+        scores, avg, se = [float(c) for c in cells[4:7]], float(cells[-2]), float(cells[-1])
         assert abs(sum(scores) / 3 - avg) < 0.01
+        assert se == pytest.approx(100 * (3 * 0.01**2) ** 0.5 / 3, abs=0.01)  # three tasks of s.e. 1 point
+    assert "The average covers 1500 items" in md
     assert "t0 (acc_norm)" in md and "ppl (word_perplexity)" in md and "12.50" in md
     assert "12.80×" in md and "lm-eval 0.4.13" in md
     assert (run / "chart.png").stat().st_size > 10_000

@@ -26,7 +26,10 @@ def _run(cmd, timeout=900):
 def test_presets_and_recipes_are_distilled_and_measured_along_the_way(source_factory, tmp_path):
     src = source_factory("llama")
     out = tmp_path / "o"
-    proc = _run(_cmd(src, out, "--recipes", "kd-frozen-basis", "ild>kd"))
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "a.txt").write_text(" ".join(f"The {w} clause applies to every licensee." for w in range(400)))
+    proc = _run(_cmd(src, out, "--recipes", "kd-frozen-basis", "ild>kd", "--other-text", str(other)))
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((out / "curves.json").read_text())
     assert [c["name"] for c in result["curves"]] == ["xecomla kd-frozen-basis", "xecomla ild>kd",
@@ -44,6 +47,9 @@ def test_presets_and_recipes_are_distilled_and_measured_along_the_way(source_fac
     assert "stage0/final" in stage1  # the second stage starts from the first's final/
     assert "reaches best kd-frozen-basis" not in (out / "table.md").read_text()  # the baseline is the first curve
     assert "reaches xecomla kd-frozen-basis's final perplexity" in (out / "table.md").read_text()
+    assert result["other"]["source"] > 0 and set(result["other"]["start"]) == {"xecomla", "best"}
+    assert all(c["other"]["tokens"] == 1536 and c["other"]["perplexity"] > 0 for c in result["curves"])
+    assert "text of another kind" in (out / "table.md").read_text()
     assert (out / "chart.png").stat().st_size > 10_000
     (out / "table.md").unlink()
     again = _run(_cmd(src, out, "--report-only"), timeout=300)
