@@ -44,6 +44,7 @@ import torch
 from ecomla.convert.plan import TargetPlan
 from ecomla.lrkv.convert import expand_kv_heads, shared_lowrank
 from ecomla.mla.budget import kv_elements_per_token
+from ecomla.mla.latent import relative_error
 
 SOURCE_KV = ("self_attn.k_proj.weight", "self_attn.k_proj.bias", "self_attn.v_proj.weight", "self_attn.v_proj.bias")
 
@@ -63,13 +64,6 @@ def pool_groups(heads: torch.Tensor, groups: int) -> torch.Tensor:
     if groups < 1 or n_h % groups:
         raise ValueError(f"{groups} KV groups do not divide {n_h} query heads")
     return heads.view(groups, n_h // groups, d_h, width).mean(dim=1)  # (g, n_h/g, d_h, D') -> (g, d_h, D')
-
-
-def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
-    """‖approx − exact‖_F / ‖exact‖_F (0 when both are zero)."""
-    norm = float(exact.double().norm())
-    diff = float((approx.double() - exact.double()).norm())
-    return diff / norm if norm > 0 else diff
 
 
 # ---- the layer transform of the streaming conversion (ecomla.convert.stream) ---------------------
@@ -138,5 +132,5 @@ def convert_kv(plan: TargetPlan, t: dict[str, torch.Tensor]) -> tuple[dict[str, 
             out[f"self_attn.{kind}_down.weight"] = split.down_weight()  # (n_h·r, D)
             out[f"self_attn.{kind}_up"] = split.up  # (n_h, r, d_h)
             entry[f"{kind}_residual_energy_kept"] = split.energy_kept
-        entry[f"{kind}_weight_rel_error"] = relative_error(approx, exact)
+        entry[f"{kind}_weight_rel_error"] = relative_error(exact, approx)
     return out, entry

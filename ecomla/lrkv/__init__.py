@@ -8,7 +8,7 @@ checkpoints load with `AutoModelForCausalLM.from_pretrained(path)` after
   configuration  LrkvConfig and lrkv_kv_elements (the cache-size formula, derived there)
   modeling       LrkvForCausalLM, one file: attention, decoder layer, model, LM head
   cache          LrkvCache: 2·(d_h + n_h·r) cached numbers per token and layer
-  convert        shared + truncated-SVD residual init from per-head weights, and lrkv_from_llama
+  convert        shared + truncated-SVD residual init from per-head weights, and the output config
 
 KV elements per token (all layers) = num_hidden_layers · 2 · (d_h + n_h·r): per layer the
 rotated shared key and the shared value (d_h each) plus n_h latents of width r for keys and

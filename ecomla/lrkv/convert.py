@@ -1,8 +1,8 @@
 """Initialize LRKV key/value projections from per-head weights: shared = mean head, residuals = truncated SVD.
 
-    from ecomla.lrkv.convert import lrkv_from_llama, shared_lowrank
-    lrkv = lrkv_from_llama(llama_model, rank=8)         # a LrkvForCausalLM with the Llama's weights
+    from ecomla.lrkv.convert import lrkv_config_from_llama, shared_lowrank
     split = shared_lowrank(heads, rank=8)                # tensors in, tensors out
+    config = lrkv_config_from_llama(llama_config, rank=8)
 
 Notation: n_h heads, d_h head width, D d_model, r rank. A head's key projection in
 nn.Linear layout is W_h (d_h × D), k_h = x·W_hᵀ. LRKV writes it as
@@ -21,9 +21,8 @@ as transformers' repeat_kv). With full-rank residuals the LRKV model then comput
 exactly the Llama's keys and values, which tests/lrkv/test_convert.py checks on logits.
 
 `shared_lowrank` and `expand_kv_heads` are pure tensor math (no transformers);
-`lrkv_from_llama` is the plumbing that copies a LlamaForCausalLM into an LrkvForCausalLM.
-`ecomla convert` with `target: lrkv` (ecomla/convert/targets.py) does the same from a
-checkpoint on disk, one layer at a time.
+`lrkv_config_from_llama` is the output config. The one converter is `ecomla convert` with
+`target: lrkv` (ecomla/convert/targets.py), from a checkpoint on disk, one layer at a time.
 """
 
 from __future__ import annotations
@@ -34,7 +33,6 @@ from dataclasses import dataclass
 import torch
 
 from ecomla.lrkv.configuration import LrkvConfig
-from ecomla.lrkv.modeling import LrkvForCausalLM
 
 
 @dataclass
@@ -117,38 +115,3 @@ def lrkv_config_from_llama(llama_config, rank: int) -> LrkvConfig:
         attention_dropout=getattr(llama_config, "attention_dropout", 0.0),
         mlp_bias=bool(getattr(llama_config, "mlp_bias", False)),
     )
-
-
-@torch.no_grad()
-def lrkv_from_llama(llama_model, rank: int) -> LrkvForCausalLM:
-    """An LrkvForCausalLM holding a LlamaForCausalLM's weights: K/V split by `shared_lowrank`, the rest copied.
-
-    Every LRKV tensor is written exactly once and every Llama tensor is used, with shapes asserted
-    (the nanoGPT from_pretrained pattern). At rank = min(d_model, head_dim) the logits match the Llama's.
-    """
-    cfg = lrkv_config_from_llama(llama_model.config, rank)
-    model = LrkvForCausalLM(cfg).to(dtype=llama_model.dtype, device=llama_model.device).eval()
-    src = llama_model.state_dict()
-    dst = model.state_dict()
-    n_h, d_h = cfg.num_attention_heads, cfg.head_dim
-
-    new = {}
-    for name, tensor in src.items():
-        if name.endswith((".self_attn.k_proj.weight", ".self_attn.v_proj.weight")):
-            continue  # split below
-        assert name in dst, f"Llama tensor {name} has no LRKV counterpart"
-        new[name] = tensor
-    for i in range(cfg.num_hidden_layers):
-        prefix = f"model.layers.{i}.self_attn."
-        for kind in ("k", "v"):
-            split = shared_lowrank(expand_kv_heads(src[f"{prefix}{kind}_proj.weight"], n_h, d_h), rank)
-            new[f"{prefix}{kind}_shared.weight"] = split.shared
-            new[f"{prefix}{kind}_down.weight"] = split.down_weight()
-            new[f"{prefix}{kind}_up"] = split.up
-
-    missing = sorted(set(dst) - set(new))
-    assert not missing, f"LRKV tensors left unset: {missing}"
-    for name, tensor in new.items():
-        assert dst[name].shape == tensor.shape, f"{name}: LRKV {tuple(dst[name].shape)} vs {tuple(tensor.shape)}"
-        dst[name].copy_(tensor)
-    return model

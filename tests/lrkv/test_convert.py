@@ -1,4 +1,5 @@
-"""Shared + truncated-SVD residual init: exact at full rank, error falling with rank, Llama logits reproduced."""
+"""Shared + truncated-SVD residual init: exact at full rank, error falling with rank, Llama logits reproduced
+through `ecomla convert` (target lrkv)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,8 @@ from itertools import pairwise
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from ecomla.lrkv.convert import expand_kv_heads, lrkv_from_llama, shared_lowrank
+from ecomla.lrkv.convert import expand_kv_heads, shared_lowrank
 from tests.lrkv.helpers import padded_batch, positions
 
 N_H, D_H, D = 4, 16, 64
@@ -48,46 +48,21 @@ def test_expand_kv_heads_repeats_each_group_like_repeat_kv():
         expand_kv_heads(w, num_heads=3, head_dim=D_H)
 
 
-def _tiny_llama(seed: int = 0) -> LlamaForCausalLM:
-    cfg = LlamaConfig(
-        vocab_size=128, hidden_size=D, intermediate_size=128, num_hidden_layers=2, num_attention_heads=N_H,
-        num_key_value_heads=2, head_dim=D_H, max_position_embeddings=256, initializer_range=0.1, pad_token_id=0,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.3 * torch.randn_like(p))
-    return model
+def test_ecomla_convert_to_lrkv_keeps_a_llama3_ropes_logits_at_full_rank(source_factory, tmp_path):
+    """The one LRKV converter (`ecomla convert`, target lrkv) carries llama3 RoPE scaling and norm gains exactly."""
+    from transformers import AutoModelForCausalLM
 
+    from tests.convert.helpers import convert
 
-@torch.no_grad()
-def test_lrkv_from_llama_full_rank_gives_the_llamas_logits():
-    llama = _tiny_llama()
-    lrkv = lrkv_from_llama(llama, rank=D_H)
+    src = source_factory("llama", num_attention_heads=N_H, num_key_value_heads=2, head_dim=D_H,
+                         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                          "original_max_position_embeddings": 64})
+    convert(src, tmp_path / "lrkv", target="lrkv", lrkv={"rank": D_H})
+    llama, lrkv = (AutoModelForCausalLM.from_pretrained(p).eval() for p in (src, tmp_path / "lrkv"))
     assert lrkv.config.model_type == "lrkv" and lrkv.config.rope_parameters["rope_type"] == "llama3"
     ids, mask = padded_batch(T=12)
     kw = dict(attention_mask=mask, position_ids=positions(mask))
     keep = mask.bool()
-    torch.testing.assert_close(lrkv(ids, **kw).logits[keep], llama(ids, **kw).logits[keep], atol=1e-4, rtol=0)
-
-
-@torch.no_grad()
-def test_lrkv_from_llama_logit_error_falls_with_rank():
-    llama = _tiny_llama(seed=3)
-    ids, mask = padded_batch(T=12, seed=1)
-    keep = mask.bool()
-    reference = llama(ids, attention_mask=mask).logits[keep]
-    errors = [float((lrkv_from_llama(llama, r)(ids, attention_mask=mask).logits[keep] - reference).abs().max())
-              for r in (1, 4, 16)]
-    assert errors[0] > errors[1] > errors[2] and errors[2] < 1e-4
-
-
-def test_lrkv_from_llama_rejects_attention_bias():
-    llama = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                         num_attention_heads=2, attention_bias=True))
-    with pytest.raises(ValueError, match="attention_bias"):
-        lrkv_from_llama(llama, rank=4)
+    with torch.no_grad():
+        torch.testing.assert_close(lrkv(ids, **kw).logits[keep], llama(ids, **kw).logits[keep], atol=1e-4, rtol=0)
