@@ -1,4 +1,5 @@
-"""The module layering: no import cycle anywhere in ecomla, and nothing below the command line imports it."""
+"""The module layering that docs/architecture.md draws: every import goes down (or stays in its layer), no import
+cycle anywhere in ecomla, and nothing below the command line imports it."""
 
 from __future__ import annotations
 
@@ -76,3 +77,36 @@ def test_the_cycle_finder_finds_one():
 def test_only_the_entry_point_imports_the_command_line():
     importers = sorted(m for m, deps in module_imports().items() if "ecomla.cli" in deps)
     assert importers == ["ecomla.__main__"]  # the launchers (ecomla.distill, ecomla.run) build their own
+
+
+# docs/architecture.md's layers, top to bottom, by top-level subpackage or module of ecomla
+LAYERS = {
+    "entry points": ["ecomla", "ecomla.cli", "ecomla.__main__", "ecomla.distill.__main__", "ecomla.run.__main__",
+                     "ecomla.recipe.command"],
+    "jobs": ["run", "variants", "analyze", "export", "fetch"],
+    "pipelines": ["convert", "distill", "eval"],
+    "math, models": ["mla", "lrkv", "decode"],
+    "foundations": ["recipe", "io", "data", "tinyworld", "pytext", "compat", "errors"],
+}
+
+
+def layer_of(module: str) -> int:
+    """0 for the entry points, growing downward; a module's own entry wins over its subpackage's."""
+    for i, names in enumerate(LAYERS.values()):
+        if module in names:
+            return i
+    for i, names in enumerate(LAYERS.values()):
+        if module.split(".")[1] in names:
+            return i
+    raise AssertionError(f"{module} is in no layer of LAYERS (and of docs/architecture.md); add it")
+
+
+def test_every_import_goes_down_a_layer_or_stays():
+    up = [f"{m} ({list(LAYERS)[layer_of(m)]}) imports {d} ({list(LAYERS)[layer_of(d)]})"
+          for m, deps in sorted(module_imports().items()) for d in sorted(deps) if layer_of(d) < layer_of(m)]
+    assert up == []
+
+
+def test_the_layer_check_sees_an_import_that_goes_up():
+    assert layer_of("ecomla.pytext.tasks") > layer_of("ecomla.eval.runner") > layer_of("ecomla.run.pipeline")
+    assert layer_of("ecomla.recipe.command") == 0 and layer_of("ecomla.recipe.schema") == 4

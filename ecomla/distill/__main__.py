@@ -6,7 +6,7 @@
 The same job as `ecomla distill`, for launchers that start one process per GPU.
 """
 
-from ecomla.distill.runtime import launch
+from ecomla.recipe.command import launch
 
 
 def distill(args) -> None:

@@ -92,16 +92,3 @@ def all_reduce_max(value: int, device: torch.device) -> int:
 def barrier() -> None:
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
-
-
-def launch(module: str, recipe: str, description: str, job) -> None:
-    """A launcher entry point (`python -m MODULE RECIPE.yaml ...`, once per process under deepspeed/torchrun):
-    parse the recipe arguments, run job(args) with one-line errors, leave the process group, exit."""
-    import sys
-
-    from ecomla.recipe.command import launcher_args, run_job
-
-    args = launcher_args(module, recipe, description)
-    code = run_job(module.rpartition(".")[2], lambda: job(args))
-    shutdown()
-    sys.exit(code)

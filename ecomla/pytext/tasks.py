@@ -28,7 +28,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ecomla.eval.taskfiles import header, write_group, write_mc, write_ppl
+from ecomla.data.taskfiles import header, write_group, write_mc, write_ppl
 from ecomla.pytext.corpus import Document, documents
 
 TAG = "pytext"

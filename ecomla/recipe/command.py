@@ -69,3 +69,14 @@ def launcher_args(module: str, recipe: str, description: str, argv: Sequence[str
     add_recipe_args(p)
     argv = sys.argv[1:] if argv is None else argv
     return p.parse_args([a for a in argv if not a.startswith("--local_rank")])
+
+
+def launch(module: str, recipe: str, description: str, job) -> None:
+    """A launcher entry point (`python -m MODULE RECIPE.yaml ...`, once per process under deepspeed/torchrun):
+    parse the recipe arguments, run job(args) with one-line errors, leave the process group, exit."""
+    from ecomla.distill.runtime import shutdown
+
+    args = launcher_args(module, recipe, description)
+    code = run_job(module.rpartition(".")[2], lambda: job(args))
+    shutdown()
+    sys.exit(code)

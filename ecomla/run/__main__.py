@@ -6,7 +6,7 @@
 The same job as `ecomla run`: every rank distills, rank 0 converts and evaluates.
 """
 
-from ecomla.distill.runtime import launch
+from ecomla.recipe.command import launch
 from ecomla.run.pipeline import run_file
 
 launch("ecomla.run", "ecomla.run.recipe:RunRecipe", __doc__,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ecomla.eval.taskfiles import header, write_group, write_mc, write_ppl
+from ecomla.data.taskfiles import header, write_group, write_mc, write_ppl
 from ecomla.tinyworld.corpus import DOMAINS
 from ecomla.tinyworld.items import MC_TASKS, mc_items, perplexity_documents
 from ecomla.tinyworld.threads import Skill
