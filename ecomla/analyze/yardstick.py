@@ -52,6 +52,8 @@ class Yardstick:
     def measure(self, model_dir: str | Path) -> dict:
         from transformers import AutoModelForCausalLM
 
+        import ecomla.lrkv  # noqa: F401  (registers "lrkv" with the Auto classes)
+
         return self.measure_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32))
 
     def measure_model(self, model) -> dict:

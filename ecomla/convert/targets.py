@@ -42,7 +42,6 @@ from __future__ import annotations
 import torch
 
 from ecomla.convert.plan import TargetPlan
-from ecomla.lrkv.convert import expand_kv_heads, shared_lowrank
 from ecomla.mla.budget import kv_elements_per_token
 from ecomla.mla.latent import relative_error
 
@@ -54,6 +53,8 @@ SOURCE_KV = ("self_attn.k_proj.weight", "self_attn.k_proj.bias", "self_attn.v_pr
 
 def per_query_head(weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int, head_dim: int) -> torch.Tensor:
     """A K or V projection (n_kv·d_h, D) and optional bias (n_kv·d_h,) as per-query-head maps (n_h, d_h, D[+1])."""
+    from ecomla.lrkv.convert import expand_kv_heads  # loads the LRKV model only where a conversion needs it
+
     affine = weight if bias is None else torch.cat([weight, bias[:, None]], dim=1)  # (n_kv·d_h, D+1): [W | b]
     return expand_kv_heads(affine, num_heads, head_dim)
 
@@ -126,6 +127,8 @@ def convert_kv(plan: TargetPlan, t: dict[str, torch.Tensor]) -> tuple[dict[str, 
             if bias is not None:
                 out[f"self_attn.{kind}_proj.bias"] = pooled[..., D].reshape(g * d_h)
         else:
+            from ecomla.lrkv.convert import shared_lowrank
+
             split = shared_lowrank(exact, plan.rank)
             approx = split.heads()
             out[f"self_attn.{kind}_shared.weight"] = split.shared  # (d_h, D)

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+import ecomla.lrkv  # noqa: F401  (registers "lrkv" with the Auto classes: an LRKV student or teacher loads by path)
 from ecomla.convert import layout
 from ecomla.errors import UserError
 from ecomla.io.checkpoint import TOKENIZER_FILES, resolve_model_dir

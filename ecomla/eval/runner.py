@@ -109,6 +109,8 @@ def evaluate_model(model: EvalModel, recipe: EvalRecipe, suite: Suite, tm, cfg: 
     import lm_eval
     from lm_eval.models.huggingface import HFLM
 
+    import ecomla.lrkv  # noqa: F401  (registers "lrkv" with the Auto classes, which HFLM loads through)
+
     t0 = time.time()
     lm = HFLM(pretrained=model.path, tokenizer=model.path, device=recipe.device, dtype=recipe.dtype,
               batch_size=recipe.batch_size)

@@ -3,7 +3,8 @@
 Importing this package registers model_type "lrkv" with `AutoConfig` and
 `AutoModelForCausalLM` through their public `register` calls, so LRKV
 checkpoints load with `AutoModelForCausalLM.from_pretrained(path)` after
-`import ecomla`, without trust_remote_code.
+`import ecomla.lrkv`, without trust_remote_code. ecomla's own loaders (distill, eval,
+variants, the yardstick) import it before they load a model by path.
 
   configuration  LrkvConfig and lrkv_kv_elements (the cache-size formula, derived there)
   modeling       LrkvForCausalLM, one file: attention, decoder layer, model, LM head

@@ -64,6 +64,8 @@ def count_params(cfg: dict) -> int:
     """Parameters of the model a config dict builds (on the meta device: no memory, no init)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    import ecomla.lrkv  # noqa: F401  (registers "lrkv" with the Auto classes)
+
     fields = {k: v for k, v in cfg.items() if k != "model_type"}
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg["model_type"], **fields))

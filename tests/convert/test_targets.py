@@ -10,7 +10,7 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM
 
-import ecomla  # noqa: F401  (registers model_type "lrkv", as a user's `import ecomla` would)
+import ecomla.lrkv  # noqa: F401  (registers model_type "lrkv", as a user loading an LRKV checkpoint would)
 from ecomla.cli import main
 from ecomla.convert.recipe import ConvertRecipe
 from ecomla.convert.stream import convert_recipe

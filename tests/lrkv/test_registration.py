@@ -1,4 +1,4 @@
-"""`import ecomla` registers model_type "lrkv": checkpoints round-trip through the Auto classes without remote code."""
+"""`import ecomla.lrkv` registers model_type "lrkv": checkpoints round-trip through the Auto classes without remote code."""
 
 from __future__ import annotations
 
@@ -33,9 +33,9 @@ def test_save_then_auto_load_gives_identical_logits(tmp_path, tie):
 
 
 @pytest.mark.slow
-def test_plain_import_ecomla_is_enough_to_load(tmp_path):
+def test_import_ecomla_lrkv_is_enough_to_load(tmp_path):
     tiny_lrkv().save_pretrained(tmp_path)
-    code = ("import ecomla; from transformers import AutoModelForCausalLM; "
+    code = ("import ecomla.lrkv; from transformers import AutoModelForCausalLM; "
             f"print(type(AutoModelForCausalLM.from_pretrained({str(tmp_path)!r})).__name__)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr
