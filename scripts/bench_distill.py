@@ -188,8 +188,7 @@ def child_mem(spec: dict) -> dict:
 
 def child_world(spec: dict) -> dict:
     """Tokenizer, corpus, MLA student (converted from a Llama) and Llama teacher for the ZeRO runs."""
-    sys.path.insert(0, str(ROOT))
-    from tests.convert.helpers import convert
+    from tests.convert.helpers import convert  # the child runs in the checkout (cwd, PYTHONPATH): tests/ imports
     from tests.tiny import domain_text, make_source, make_tokenizer
 
     root = Path(spec["root"])
@@ -229,7 +228,8 @@ def child(kind: str, spec: dict, work: Path, name: str, extra_env: dict[str, str
     """Run one child of this script; (its JSON result, its peak RSS in bytes)."""
     log = work / f"{name}.log"
     threads = {"OMP_NUM_THREADS": str(spec["threads"])} if "threads" in spec else {}
-    rc, _, rss = spawn([sys.executable, __file__, "--child", kind, json.dumps(spec)], log, {**threads, **(extra_env or {})})
+    rc, _, rss = spawn([sys.executable, __file__, "--child", kind, json.dumps(spec)], log,
+                       {**threads, "PYTHONPATH": str(ROOT), **(extra_env or {})})
     lines = log.read_text().splitlines()
     if rc != 0 or not lines or not lines[-1].startswith("{"):
         raise failed(f"child {name}", rc, log)

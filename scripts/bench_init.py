@@ -27,12 +27,12 @@ import json
 import sys
 from pathlib import Path
 
+from ecomla.analyze.cells import cell_settings, plot_perplexity, run_cells
 from ecomla.analyze.yardstick import Yardstick
 from ecomla.convert import presets
 from ecomla.convert.recipe import preset_recipe
 from ecomla.convert.stream import convert_recipe
 from ecomla.mla.budget import parse_budget
-from oneshot_table import plot, run_cells, run_settings  # the sibling script: scripts/ is on sys.path
 
 # One budget per ratio of SmolLM2's 384 cached numbers: 2.0x, 3.0x, 4.0x, 6.4x
 BUDGETS = ("128+64", "64+64", "64+32", "28+32")
@@ -88,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     out = Path(args.out)
     yardstick = Yardstick(args.model, args.eval_tokens, args.seq_len)
-    settings = {**run_settings(args), "presets": presets.PRESETS, "levers": presets.BEST_LEVERS}
+    settings = {**cell_settings(args.model, args.calibration_tokens, args.eval_tokens, args.seq_len),
+                "presets": presets.PRESETS, "levers": presets.BEST_LEVERS}
     variants = [(name, None) for name in args.presets]
     cells = [(f"{name}_{r_kv}+{d_r}", {"preset": name, "budget": f"{r_kv}+{d_r}", "kv_lora_rank": r_kv,
                                        "qk_rope_head_dim": d_r},
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "table.json").write_text(json.dumps({"source": yardstick.source, "wall_seconds": wall, "rows": rows},
                                                indent=2) + "\n")
     (out / "table.md").write_text(table(rows, yardstick.source, wall))
-    plot(rows, yardstick.source, out / "chart.png", key="preset", names=args.presets)  # the ablations: table only
+    plot_perplexity(rows, yardstick.source, out / "chart.png", "preset", args.presets)  # the ablations: table only
     print(table(rows, yardstick.source, wall), end="")
     print(f"wrote {out}/table.md, table.json and chart.png")
     return 0

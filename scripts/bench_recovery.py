@@ -211,9 +211,12 @@ def efficiency(curves: list[dict]) -> list[str]:
         for d in DOMAINS:
             target = final[d]["perplexity"]
             need = tokens_to_reach(c["points"], d, target)
-            share = "not reached" if need is None else f"{need:,.0f} tokens = {need / final['tokens']:.0%} of them"
-            lines.append(f"- {d}: {c['name']} reaches {base['name']}'s final perplexity {target:,.1f} "
-                         f"(after {final['tokens']:,} tokens) with {share}")
+            goal = f"{base['name']}'s final perplexity {target:,.1f} (after {final['tokens']:,} tokens)"
+            if need is None:
+                lines.append(f"- {d}: {c['name']} does not reach {goal} within the run")
+            else:
+                lines.append(f"- {d}: {c['name']} reaches {goal} with {need:,.0f} tokens = "
+                             f"{need / final['tokens']:.0%} of them")
     return lines
 
 

@@ -17,11 +17,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from ecomla.pytext.corpus import BUILT_ON, python_version
+from ecomla.pytext.tasks import ITEMS, PPL_PASSAGES, write_tasks
 
-from ecomla.pytext.corpus import BUILT_ON, python_version  # noqa: E402
-from ecomla.pytext.tasks import ITEMS, PPL_PASSAGES, write_tasks  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def print_stats(tokenizer_dir: str, tasks_dir: Path) -> int:

@@ -19,18 +19,16 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from ecomla.tinyworld.corpus import DOMAINS, SPLITS, iter_documents
+from ecomla.tinyworld.items import MC_TASKS, leaked_items, mc_items
+from ecomla.tinyworld.taskfiles import DEFAULT_COUNTS, PPL_DOCS, write_tasks
+from ecomla.tinyworld.threads import Skill
+from ecomla.tinyworld.tokenizer import train_tokenizer
 
-from ecomla.tinyworld.corpus import DOMAINS, SPLITS, iter_documents  # noqa: E402
-from ecomla.tinyworld.items import MC_TASKS, leaked_items, mc_items  # noqa: E402
-from ecomla.tinyworld.taskfiles import DEFAULT_COUNTS, PPL_DOCS, write_tasks  # noqa: E402
-from ecomla.tinyworld.threads import Skill  # noqa: E402
-from ecomla.tinyworld.tokenizer import train_tokenizer  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
-import time
 from pathlib import Path
 
+from ecomla.analyze.cells import cell_settings, plot_perplexity, run_cells
 from ecomla.analyze.yardstick import DOMAINS, Yardstick
 from ecomla.convert.recipe import ConvertRecipe
 from ecomla.convert.stream import convert_recipe
@@ -56,74 +55,6 @@ def convert(args, name: str, r_kv: int, d_r: int, out: Path, latent_norm: str = 
                                        "seq_len": args.seq_len, "heldout_tokens": 0}
     recipe = load_recipe(ConvertRecipe, data=data)
     return convert_recipe(recipe, force=True, progress=False)
-
-
-def run_settings(args) -> dict:
-    """What a cell's numbers depend on besides its recipe: a cell is reused only when these match."""
-    return {"model": str(Path(args.model).resolve()), "calibration_tokens": args.calibration_tokens,
-            "eval_tokens": args.eval_tokens, "seq_len": args.seq_len}
-
-
-def run_cells(out: Path, cells: list, yardstick: Yardstick, settings: dict) -> list[dict]:
-    """Convert and measure each (name, fields, convert(out_dir) -> report) cell; OUT/cells/NAME.json per cell,
-    reused on a rerun when its settings match. The checkpoint is deleted once measured."""
-    (out / "cells").mkdir(parents=True, exist_ok=True)
-    rows = []
-    for i, (name, fields, convert_cell) in enumerate(cells, 1):
-        cell = out / "cells" / f"{name}.json"
-        if cell.is_file() and json.loads(cell.read_text()).get("settings") == settings:
-            rows.append(json.loads(cell.read_text()))
-            print(f"[{i}/{len(cells)}] {name}: reused")
-            continue
-        t0 = time.time()
-        ckpt = out / "ckpt"
-        report = convert_cell(ckpt)
-        row = {**fields, "compression": report["compression_ratio"], **yardstick.measure(ckpt),
-               "convert_seconds": report["seconds"], "seconds": time.time() - t0, "settings": settings}
-        shutil.rmtree(ckpt, ignore_errors=True)
-        cell.write_text(json.dumps(row, indent=2) + "\n")
-        rows.append(row)
-        print(f"[{i}/{len(cells)}] {name} ({row['compression']:.2f}x): ppl prose "
-              f"{row['prose']['converted_perplexity']:,.1f}, code {row['code']['converted_perplexity']:,.1f} "
-              f"({row['seconds']:.0f} s)", flush=True)
-    return rows
-
-
-def plot(rows: list[dict], source: dict, path: Path, key: str = "recipe", names=tuple(RECIPES),
-         split: str | None = None, splits=(), by_rope_dim: bool = False) -> None:
-    """Held-out perplexity against compression, one line per rows' `key` value (in `names` order), a panel per
-    domain; with `split`, one row of panels per rows' `split` value (in `splits` order). With `by_rope_dim`, a
-    value's budgets of each d_r make their own line, the longest drawn with filled circles, others hollow squares."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    groups = [(s, [r for r in rows if r[split] == s]) for s in splits] if split else [(None, rows)]
-    groups = [(s, g) for s, g in groups if g]
-    fig, axes = plt.subplots(len(groups), len(DOMAINS), figsize=(11, 4.4 * len(groups)), squeeze=False)
-    for (group, members), panel_row in zip(groups, axes):
-        for ax, domain in zip(panel_row, DOMAINS):
-            for i, name in enumerate(names):
-                chains: dict = {}  # with by_rope_dim, one line per d_r (budgets that differ only in r_kv)
-                for r in members:
-                    if r[key] == name:
-                        chains.setdefault(r["qk_rope_head_dim"] if by_rope_dim else None, []).append(
-                            (r["compression"], r[domain]["converted_perplexity"]))
-                for j, pts in enumerate(sorted(chains.values(), key=len, reverse=True)):
-                    ax.plot(*zip(*sorted(pts)), marker="o" if j == 0 else "s", color=f"C{i}",
-                            label=name if j == 0 else None, fillstyle="full" if j == 0 else "none")
-            ax.axhline(source[domain], color="k", linestyle="--", label="source")
-            ax.set_yscale("log")
-            ax.set_xlabel("KV compression (×)")
-            ax.set_ylabel("held-out perplexity (log)")
-            ax.set_title(f"{domain}, no training" + (f", {split} {group}" if split else "")
-                         + (" (hollow squares: other d_r)" if by_rope_dim else ""), fontsize=10)
-            ax.grid(alpha=0.3, which="both")
-        panel_row[0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def table(rows: list[dict], source: dict) -> str:
@@ -198,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(args.out)
     yardstick = Yardstick(args.model, args.eval_tokens, args.seq_len)
-    settings = run_settings(args)
+    settings = cell_settings(args.model, args.calibration_tokens, args.eval_tokens, args.seq_len)
     cells = [(f"{name}_{norm}_{r_kv}+{d_r}",
               {"recipe": name, "latent_norm": norm, "budget": f"{r_kv}+{d_r}", "kv_lora_rank": r_kv,
                "qk_rope_head_dim": d_r},
@@ -214,7 +145,8 @@ def write_outputs(out: Path, rows: list[dict], source: dict) -> int:
     (out / "table.json").write_text(json.dumps({"source": source, "rows": rows}, indent=2) + "\n")
     text = table(rows, source)
     (out / "table.md").write_text(text)
-    plot(rows, source, out / "chart.png", split="latent_norm", splits=LATENT_NORMS, by_rope_dim=True)
+    plot_perplexity(rows, source, out / "chart.png", "recipe", list(RECIPES), split="latent_norm",
+                    splits=LATENT_NORMS, by_rope_dim=True)
     print(text, end="")
     print(f"wrote {out}/table.md, table.json and chart.png")
     return 0
