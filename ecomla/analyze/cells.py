@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ecomla.analyze.yardstick import DOMAINS, Yardstick
+from ecomla.io.publish import publish
 
 Cell = tuple[str, dict, Callable[[Path], dict]]
 
@@ -23,6 +24,7 @@ def cell_settings(model: str | Path, calibration_tokens: int, eval_tokens: int, 
     """What a cell's numbers depend on besides its recipe: a cell is reused only when these match."""
     return {"model": str(Path(model).resolve()), "calibration_tokens": calibration_tokens,
             "eval_tokens": eval_tokens, "seq_len": seq_len}
+
 
 def run_cells(out: Path, cells: Sequence[Cell], yardstick: Yardstick, settings: dict) -> list[dict]:
     """Convert and measure each cell in turn (or reuse its OUT/cells/NAME.json); the rows in cell order."""
@@ -40,7 +42,9 @@ def run_cells(out: Path, cells: Sequence[Cell], yardstick: Yardstick, settings: 
         row = {**fields, "compression": report["compression_ratio"], **yardstick.measure(ckpt),
                "convert_seconds": report["seconds"], "seconds": time.time() - t0, "settings": settings}
         shutil.rmtree(ckpt, ignore_errors=True)
-        cell.write_text(json.dumps(row, indent=2) + "\n")
+        tmp = cell.with_name(f".{cell.name}.tmp")
+        tmp.write_text(json.dumps(row, indent=2) + "\n")
+        publish(tmp, cell)  # a kill leaves the cell whole or absent, never half-written
         rows.append(row)
         print(f"[{i}/{len(cells)}] {name} ({row['compression']:.2f}x): ppl prose "
               f"{row['prose']['converted_perplexity']:,.1f}, code {row['code']['converted_perplexity']:,.1f} "

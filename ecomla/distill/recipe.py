@@ -109,8 +109,9 @@ class TrainConfig:
     lr_multipliers: dict[str, float] = knob(
         default_factory=dict, help="Per-group learning rates: parameter name pattern ('attention' for self_attn, "
         "or a substring such as mlp or embed_tokens) -> multiplier of train.lr; the first pattern a parameter "
-        "matches wins, the others take lr itself. E.g. {mlp: 0.1} trains the unconverted MLPs ten times slower "
-        "than the converted attention"
+        "matches wins, the others take lr itself. ecomla's recovery recipe (docs/recovery.md) takes lr 3e-4 with "
+        "{kv_b_proj: 0.1, kv_a_proj: 0.3, mlp: 0.3}: the up-projection, the latent basis and the MLPs need smaller "
+        "steps than the rest"
     )
     total_tokens: int = knob(help="Tokens to train on (the step count is derived from the global batch)")
     global_batch_tokens: int = knob(393216, help="Tokens per optimizer step over all ranks (X-EcoMLA: 192 × 2048)")
