@@ -100,9 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.time() - t0
     (out / "table.json").write_text(json.dumps({"source": yardstick.source, "wall_seconds": wall, "rows": rows},
                                                indent=2) + "\n")
-    (out / "table.md").write_text(table(rows, yardstick.source, wall))
+    text = table(rows, yardstick.source, wall)
+    (out / "table.md").write_text(text)
     plot_perplexity(rows, yardstick.source, out / "chart.png", "preset", args.presets)  # the ablations: table only
-    print(table(rows, yardstick.source, wall), end="")
+    print(text, end="")
     print(f"wrote {out}/table.md, table.json and chart.png")
     return 0
 

@@ -32,8 +32,9 @@ def run_cells(out: Path, cells: Sequence[Cell], yardstick: Yardstick, settings: 
     rows = []
     for i, (name, fields, convert_cell) in enumerate(cells, 1):
         cell = out / "cells" / f"{name}.json"
-        if cell.is_file() and json.loads(cell.read_text()).get("settings") == settings:
-            rows.append(json.loads(cell.read_text()))
+        kept = json.loads(cell.read_text()) if cell.is_file() else None
+        if kept is not None and kept.get("settings") == settings:
+            rows.append(kept)
             print(f"[{i}/{len(cells)}] {name}: reused")
             continue
         t0 = time.time()

@@ -44,7 +44,6 @@ def _measured_bytes(final: Path) -> float:
     from transformers import AutoModelForCausalLM
 
     import ecomla.lrkv  # noqa: F401  (registers "lrkv" with the Auto classes)
-
     from ecomla.eval.kv import measured_kv_bytes_per_token
 
     model = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32).eval()
