@@ -182,3 +182,42 @@ def test_a_distilled_linear_latent_exports_with_its_scale(tmp_path, smol_tokeniz
     gguf = export_gguf(final, tmp_path / "final.gguf", outtype="f32", quiet=True)
     ours = engine.logits(engine.load(gguf, n_ctx=128, cache="f32"), ids)
     assert float(np.abs(ours - theirs).max()) < 2e-4
+
+
+@pytest.mark.slow
+def test_llama_cpp_serving_settings_flash_attention_quantized_latent_and_decode_rates(tmp_path, smol_tokenizer):
+    """What scripts/bench_llama_cpp.py measures, on a tiny MLA export: flash attention gives the same logits;
+    a latent whose cached row (64 + 32) and latent (64) are whole 32-number blocks loads as q8_0 and q4_0 cells, at
+    34 and 18 bytes per block, with logits that move more the fewer bits; quantized cells without flash attention
+    are refused by us with the fix, and a latent of 48 by llama.cpp even in a whole 64-number row (48 + 16); decode
+    rates come per context and repetition."""
+    from ecomla.export import engine
+
+    source = make_source(tmp_path / "llama", smol_tokenizer, hidden_size=128, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=64, rms_norm_eps=1e-6)
+    ids = [int(i) for i in torch.randint(100, 40000, (64,), generator=torch.Generator().manual_seed(0))]
+    ggufs = {}
+    for rank, d_r in ((64, 32), (48, 16)):
+        convert(source, tmp_path / f"mla{rank}", mla={"kv_lora_rank": rank, "qk_rope_head_dim": d_r, "rope_dims": "high"})
+        ggufs[rank] = export_gguf(tmp_path / f"mla{rank}", tmp_path / f"mla{rank}.gguf", outtype="f32", quiet=True)
+    plain = engine.logits(engine.load(ggufs[64], n_ctx=128), ids)
+    moved, per_token = {}, {}
+    for cache in ("f16", "q8_0", "q4_0"):
+        llm = engine.load(ggufs[64], n_ctx=128, cache=cache, flash_attn=True)
+        moved[cache] = float(np.abs(engine.logits(llm, ids) - plain).max())
+        per_token[cache] = engine.kv_bytes_per_token(llm, ids, 16, 48)
+    assert moved["f16"] < 1e-2 < moved["q4_0"] and moved["q8_0"] < moved["q4_0"], moved
+    layers, row = 2, 64 + 32
+    assert per_token == {"f16": row * layers * 2, "q8_0": row // 32 * 34 * layers, "q4_0": row // 32 * 18 * layers}
+    with pytest.raises(ValueError, match="only with flash attention; pass flash_attn=True"):
+        engine.load(ggufs[64], n_ctx=128, cache="q8_0")
+    with pytest.raises(ValueError, match="is not one of"):
+        engine.load(ggufs[64], n_ctx=128, cache="q5")
+    with pytest.raises(ValueError):  # the row (64) is whole q8_0 blocks, the latent (48) is not: llama.cpp refuses
+        engine.load(ggufs[48], n_ctx=128, cache="q8_0", flash_attn=True)
+    llm = engine.load(ggufs[64], n_ctx=128, logits_all=False, flash_attn=True)
+    rates = engine.decode_rates(llm, ids, [48, 16], steps=3, reps=2)
+    assert list(rates) == [16, 48] and all(len(r) == 2 and min(r) > 0 for r in rates.values())
+    assert llm.n_tokens == 48 + 3
+    with pytest.raises(ValueError, match="contexts: 100 tokens asked"):
+        engine.decode_rates(llm, ids, [100], steps=1, reps=1)
