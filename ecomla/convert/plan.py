@@ -154,7 +154,7 @@ def make_plan(recipe: ConvertRecipe, *, force: bool = False, progress: bool = Tr
     if recipe.init.calibration is not None and not has_tokenizer(source.directory):
         problems.append(f"init.calibration: {recipe.model} has no tokenizer files, so its calibration text cannot be "
                         "tokenized; copy the source's tokenizer into it, or convert without init.calibration "
-                        "(e.g. --set init.preset=xecomla --set mla.latent_norm=linear)")
+                        "(with no conversion key set, init.preset auto then takes nodata)")
     out_dtype, device = dtype_and_device(recipe, source, problems)
     if problems:
         raise PlanError(problems)

@@ -220,10 +220,13 @@ class InitConfig:
         "matrix, pulling the refit toward the latent fit's own value path (so a path that is already exact stays)"
     )
     preset: presets.PresetName | None = knob(
-        None,
+        "auto",
         help="A named recipe that fills the mla/init keys this recipe leaves unset (set keys win; the report's "
-        "`preset` records the expansion and the overrides). " + presets.describe() + ". Shapes and calibration "
-        "stay the recipe's; how each peer is approximated in stock DeepSeek-V3: docs/convert.md#presets",
+        "`preset` records the expansion and the overrides). " + presets.describe() + ". auto (the default): "
+        "best when init.calibration is given, nodata when not, for a recipe that sets none of these keys; one "
+        "that sets any of them gets the rest from the base defaults, as does null (X-EcoMLA's svd/last/mean "
+        "with the normalized latent). Shapes and calibration stay the recipe's; how each peer is approximated "
+        "in stock DeepSeek-V3: docs/convert.md#presets",
     )
 
 
@@ -306,7 +309,8 @@ class ConvertRecipe:
             needs.append(f"init.refit={self.init.refit}")
         problems += self._init_problems()
         if needs and self.init.calibration is None:
-            via = f" (init.preset {self.init.preset})" if self.init.preset else ""
+            chosen = presets.resolved(self.init.preset, self.init)
+            via = f" (init.preset {chosen})" if chosen else ""
             problems.append(f"init.calibration: {' and '.join(needs)}{via} need calibration data; set "
                             f"init.calibration.dataset")
         return problems

@@ -20,7 +20,7 @@ def mla_lines(report: dict) -> list[str]:
     after = kv["after"]
     lines = [
         f"converted {report['source']} ({report['source_family']}) -> {report['output_dir']}",
-        f"  init: {report['init_method']}   kv_lora_rank: {report['kv_lora_rank']}   "
+        f"  init: {_preset(report.get('preset'))}{report['init_method']}   kv_lora_rank: {report['kv_lora_rank']}   "
         f"qk_rope_head_dim: {report['qk_rope_head_dim']}   q_lora_rank: {report['q_lora_rank']}",
         f"  KV per token and layer: {kv['before']} -> {min(after)}"
         + (f"..{max(after)}" if min(after) != max(after) else "")
@@ -72,6 +72,14 @@ def mla_lines(report: dict) -> list[str]:
         lines.append(f"  note: {LINEAR_LATENT_LORA}")
     lines.append(f"  took {report['seconds']:.1f}s; report: {report['output_dir']}/conversion_report.json")
     return lines
+
+
+def _preset(preset: dict | None) -> str:
+    """'preset best (auto: calibration text given; ...), method ' or nothing: how the recipe chose its keys."""
+    if not preset:
+        return ""
+    why = f" (auto: {preset['auto']})" if "auto" in preset else ""
+    return f"preset {preset['name']}{why}, method "
 
 
 def serving_line(servable_by: dict[str, list[str]]) -> str:

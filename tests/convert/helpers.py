@@ -13,9 +13,14 @@ from ecomla.recipe.schema import load_recipe
 
 
 def convert(source: Path, out: Path, force: bool = True, **sections) -> dict:
-    """Convert with recipe keys given as nested dicts, e.g. mla={'kv_lora_rank': 64}."""
+    """Convert with recipe keys given as nested dicts, e.g. mla={'kv_lora_rank': 64}.
+
+    Unless `init` names a preset, the converter's base defaults (init.preset null: X-EcoMLA's svd/last/mean with the
+    normalized latent) fill the keys left unset, not `auto`: the tests pin each key they rely on."""
     data = {"model": str(source), "output_dir": str(out), "dtype": "float32", "device": "cpu"}
     data.update(sections)
+    if data.get("target", "mla") == "mla":
+        data["init"] = {"preset": None, **data.get("init", {})}
     recipe = load_recipe(ConvertRecipe, data=data)
     return convert_recipe(recipe, force=force, progress=False)
 

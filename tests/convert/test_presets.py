@@ -34,14 +34,40 @@ def test_each_preset_expands_into_its_keys(name):
     assert presets.expansion(name, r.mla, r.init)["overridden"] == {}
 
 
-def test_presets_differ_from_each_other_and_xecomla_is_the_default():
+def _settings(r: ConvertRecipe) -> tuple:
+    return tuple(getattr(getattr(r, sec), key) for sec, key in sorted(presets.PRESET_KEYS))
+
+
+def test_presets_differ_from_each_other_and_xecomla_is_the_base():
     expanded = {name: _recipe(init={"preset": name, "calibration": {"dataset": "x"}}) for name in presets.PRESET_NAMES}
-    settings = {name: (r.init.method, r.init.kv_balance, r.mla.rope_dims, r.mla.rope_key, r.mla.rope_residual)
-                for name, r in expanded.items()}
+    settings = {name: _settings(r) for name, r in expanded.items()}
     assert len(set(settings.values())) == len(settings), settings
-    plain = _recipe()
-    assert (plain.init.method, plain.mla.rope_dims, plain.mla.rope_key) == (
-        expanded["xecomla"].init.method, expanded["xecomla"].mla.rope_dims, expanded["xecomla"].mla.rope_key)
+    base = _recipe(init={"preset": None})
+    assert base.init.preset is None and presets.expansion(None, base.mla, base.init) is None
+    assert (base.init.method, base.mla.rope_dims, base.mla.rope_key, base.mla.latent_norm) == (
+        expanded["xecomla"].init.method, expanded["xecomla"].mla.rope_dims, expanded["xecomla"].mla.rope_key,
+        "normalize")
+
+
+def test_the_shortest_recipe_gets_the_best_measured_preset_for_its_inputs():
+    """No preset and no preset key: auto takes best with calibration text and nodata without, and says so; any
+    preset key the recipe sets (or preset null) keeps the base defaults for the rest."""
+    calibration = {"dataset": "x"}
+    for given, name in (({"calibration": calibration}, "best"), ({}, "nodata")):
+        r = _recipe(init=given) if given else _recipe()
+        assert r.init.preset == "auto" and _settings(r) == _settings(_recipe(init={"preset": name, **given}))
+        rep = presets.expansion(r.init.preset, r.mla, r.init)
+        assert rep["name"] == name and rep["overridden"] == {}
+        assert rep["auto"].startswith("calibration text given" if given else "no calibration text")
+    base = _settings(_recipe(init={"preset": None}))
+    mla = {"kv_lora_rank": 8, "rope_dims": "high"}
+    own = _recipe(mla=mla, init={"calibration": calibration})
+    assert own.init.preset is None and own.mla.rope_dims == "high"
+    assert _settings(own) == _settings(_recipe(mla=mla, init={"preset": None, "calibration": calibration}))
+    assert _settings(_recipe(init={"preset": None, "calibration": calibration})) == base
+    gqa = load_recipe(ConvertRecipe, data={"model": "m", "output_dir": "o", "target": "gqa",
+                                           "gqa": {"num_key_value_heads": 1}})
+    assert gqa.init.preset == "auto"  # other targets refuse a changed init; the default is not a change
 
 
 def test_a_key_the_recipe_sets_wins_and_is_recorded_as_overridden():
@@ -129,3 +155,24 @@ def test_kv_balance_trades_value_error_for_key_error_when_keys_are_small(method)
     (k0, v0), (k1, v1) = errs[False], errs[True]
     assert k1 < 0.9 * k0, errs
     assert v1 > v0, errs  # a trade, not a free lunch: the test can tell the two fits apart
+
+
+def test_the_shortest_recipe_converts_with_nodata_and_says_so(source_factory, tmp_path, capsys):
+    """No preset, no conversion key, no calibration text: the conversion is nodata's (the same weights as naming
+    it), the report's preset says auto chose it, and `ecomla convert`'s summary prints that."""
+    from ecomla.convert.stream import convert_recipe
+    from ecomla.convert.summary import print_summary
+
+    src = source_factory("llama", num_key_value_heads=2, rms_norm_eps=1e-6)
+    shape = {"kv_lora_rank": 24, "qk_rope_head_dim": 8}
+    reports = {}
+    for name, init in (("auto", {}), ("named", {"init": {"preset": "nodata"}})):
+        recipe = load_recipe(ConvertRecipe, data={"model": str(src), "output_dir": str(tmp_path / name),
+                                                  "dtype": "float32", "device": "cpu", "mla": shape, **init})
+        reports[name] = convert_recipe(recipe, progress=False)
+    a, b = (load_file(tmp_path / n / "model.safetensors") for n in ("auto", "named"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert reports["auto"]["preset"]["name"] == "nodata" and "auto" not in reports["named"]["preset"]
+    print_summary(reports["auto"])
+    assert "init: preset nodata (auto: no calibration text; set init.preset to choose another), method svd" in \
+        capsys.readouterr().out
