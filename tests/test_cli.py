@@ -48,3 +48,11 @@ def test_console_script_converts(source_factory, tmp_path):
     assert saved["mla"]["kv_lora_rank"] == 24  # the resolved recipe, overrides applied
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "config.json"):
         assert (tmp_path / "out" / name).exists(), name
+
+
+@pytest.mark.parametrize("module", ["ecomla", "ecomla.run", "ecomla.distill"])
+def test_the_module_launchers_answer_help(module):
+    """`python -m ecomla`, and the launchers deepspeed and torchrun start (`-m ecomla.run`, `-m ecomla.distill`)."""
+    proc = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("usage:"), proc.stdout[:500]

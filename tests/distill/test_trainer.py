@@ -257,6 +257,7 @@ def test_pretrain_is_the_same_loop_with_ce(world, tmp_path):
     assert AutoModelForCausalLM.from_pretrained(out / "final").config.model_type == "llama"
 
 
+@pytest.mark.slow
 def test_prepared_shards_train_like_in_memory_data(world, tmp_path):
     import subprocess
 
@@ -330,6 +331,7 @@ def test_a_linear_latent_student_trains_at_natural_scale_and_is_refused_under_lo
     assert not (tmp_path / "lora" / "checkpoints").exists()
 
 
+@pytest.mark.slow
 def test_a_distilled_linear_student_distils_again_from_its_final(world, tmp_path):
     """Two distillations in a row (e.g. ILD, then KD): the second starts from the first's final/, which has no
     conversion report. Its config.json carries the layout, so the second run takes exactly the steps of a run

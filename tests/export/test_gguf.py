@@ -184,7 +184,6 @@ def test_a_distilled_linear_latent_exports_with_its_scale(tmp_path, smol_tokeniz
     assert float(np.abs(ours - theirs).max()) < 2e-4
 
 
-@pytest.mark.slow
 def test_llama_cpp_serving_settings_flash_attention_quantized_latent_and_decode_rates(tmp_path, smol_tokenizer):
     """What scripts/bench_llama_cpp.py measures, on a tiny MLA export: flash attention gives the same logits;
     a latent whose cached row (64 + 32) and latent (64) are whole 32-number blocks loads as q8_0 and q4_0 cells, at

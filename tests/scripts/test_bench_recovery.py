@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from ecomla.distill.runtime import solo_env
 from tests.scripts.test_oneshot_table import ROOT
 
@@ -23,6 +25,7 @@ def _run(cmd, timeout=900):
     return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=timeout, env=solo_env())
 
 
+@pytest.mark.slow
 def test_presets_and_recipes_are_distilled_and_measured_along_the_way(source_factory, tmp_path):
     src = source_factory("llama")
     out = tmp_path / "o"

@@ -8,11 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from ecomla.distill.runtime import solo_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_the_gpu_check_runs_end_to_end_in_cpu_mode(tmp_path):
     script = ROOT / "scripts" / "gpu_check.sh"
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -22,6 +24,7 @@ def run_small(src: Path, out: Path, script: str = "oneshot_table.py") -> subproc
     return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900)
 
 
+@pytest.mark.slow
 def test_every_recipe_at_every_budget_then_a_rerun_reuses_them(source_factory, tmp_path):
     from scripts.oneshot_table import LATENT_NORMS, RECIPES
 

@@ -112,7 +112,6 @@ def test_recipe_problems(tmp_path):
     assert "pretrain.output_dir: set by `ecomla variants`" in text
 
 
-@pytest.mark.slow
 def test_sweep_trains_reuses_and_reports(tmp_path, capsys):
     from ecomla.variants.sweep import run_sweep
 
