@@ -109,7 +109,7 @@ def _cache_rows(f32: Path, f16: Path, cached_row: int, blocks, context, args) ->
 def _measure(name: str, path: Path, out: Path, tok, blocks, context, args) -> dict:
     from ecomla.export import engine
     from ecomla.export.gguf import export_gguf
-    from ecomla.mla.budget import kv_elements_per_token
+    from ecomla.mla.budget import MLA_TYPES, AttentionShape, kv_elements_per_token, mla_elements
 
     config = json.loads((path / "config.json").read_text())
     t0 = time.perf_counter()
@@ -132,9 +132,8 @@ def _measure(name: str, path: Path, out: Path, tok, blocks, context, args) -> di
         row["decode_tok_s"][key] = {str(c): _spread(r) for c, r in rates.items()}
         del llm
         print(f"  {name} {key}: {time.perf_counter() - t0:.0f} s", flush=True)
-    mla = "kv_lora_rank" in config
-    cached_row = config["kv_lora_rank"] + config["qk_rope_head_dim"] if mla else \
-        config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    cached_row = (mla_elements(config["kv_lora_rank"], config["qk_rope_head_dim"])
+                  if config.get("model_type") in MLA_TYPES else AttentionShape.from_config(config).head_dim)
     row["cache"] = _cache_rows(f32, f16, cached_row, blocks, context, args)
     return row
 

@@ -5,8 +5,9 @@ sets itself wins, and the conversion report records both the expansion and what 
 recipe overrode. A recipe that names no preset and sets none of the keys any preset sets
 gets `auto`: `best` when it gives calibration text, `nodata` when it does not (the best
 measured recipe for each; docs/convert.md#the-default). One that sets any of those keys
-takes the rest from the converter's base defaults, X-EcoMLA's recipe with the normalized latent. The shapes (kv_lora_rank or target_compression, qk_rope_head_dim)
-and the calibration data stay the recipe's: a preset is how to convert, not how much.
+takes the rest from the converter's base defaults, X-EcoMLA's recipe with the normalized
+latent. The shapes (kv_lora_rank or target_compression, qk_rope_head_dim) and the
+calibration data stay the recipe's: a preset is how to convert, not how much.
 
 How each peer is approximated in the stock DeepSeek-V3 layout (one shared RoPE key,
 one kv_lora_rank for every layer) is in docs/convert.md#presets.

@@ -1,9 +1,8 @@
 """Run one of the README's entry-point scripts (scripts/*.sh) from a copy under a test's temporary directory.
 
 The copy holds the script, the set-up and environment scripts it calls, pyproject.toml (for set-up's stamp) and
-the recipes it names; `.venv` links to the checkout's. Set-up must already be current (its stamp holds the hash
-of pyproject.toml and setup.sh), so running the script installs nothing, and what the script writes (a fetched
-model, caches) lands in the copy.
+the recipes it names; `.venv` links to the checkout's. Set-up must already be current (`setup.sh --check`), so
+running the script installs nothing, and what the script writes (a fetched model, caches) lands in the copy.
 """
 
 from __future__ import annotations
@@ -16,10 +15,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def setup_is_current() -> bool:
-    stamp = ROOT / ".venv" / ".ecomla-setup"
-    want = subprocess.run("sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1", shell=True,
-                          cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-    return stamp.is_file() and stamp.read_text().strip() == want
+    """setup.sh's own answer (`--check`): would it install anything?"""
+    return subprocess.run(["bash", "scripts/setup.sh", "--check"], cwd=ROOT, capture_output=True).returncode == 0
 
 
 def run_entry(tmp: Path, script: str, recipes: list[str], *args: str) -> subprocess.CompletedProcess:
