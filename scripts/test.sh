@@ -12,4 +12,6 @@ fi
 bash scripts/setup.sh
 . .venv/bin/activate
 . scripts/env.sh
+# Checkpoints of the real model need room: say how much there is, so a full disk is the first thing a log shows.
+df -h "${TMPDIR:-/tmp}" | awk 'NR == 2 {print "disk: " $4 " free under '"${TMPDIR:-/tmp}"' (a full run needs about 3 GB)"}'
 exec python -m pytest -q --durations=15 "${lane[@]}" "$@"  # the 15 slowest, so a slower CI says where
