@@ -9,9 +9,10 @@
     ecomla prepare-data RECIPE.yaml   (memory-mapped token shards for `data.*.prepared`)
     ecomla eval RECIPE.yaml           (lm-eval over a list of models: table, JSON and chart)
     ecomla report RUN_DIR             (rebuild the table and chart from saved eval results)
-    ecomla run RECIPE.yaml            (the main job: convert -> distill -> eval -> report, stages cached)
+    ecomla run RECIPE.yaml            (the main job and every experiment: convert -> distill -> measure -> eval)
     ecomla variants RECIPE.yaml       (MHA/GQA/MQA/MLA/LRKV pretrained from scratch at equal params and tokens)
     ecomla export gguf CKPT OUT.gguf  (a GGUF for llama.cpp, by llama.cpp's own converter)
+    ecomla build TARGET [ARGS ...]    (rebuild committed data: pytext-tasks, tiny-world, tiny-zoo, zoo-table)
 
 Every recipe key, its type, default and meaning is listed by `ecomla <job> --help`.
 Recipe problems are reported all at once, by dotted key, before anything runs.
@@ -224,12 +225,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "run",
-        help="the main job: convert the base at several ratios, distill from several teachers, eval, report",
-        description="Convert the base to MLA at every ratio and init, distill each main-init student from every "
-        "teacher in distill_teachers (other inits from baseline_teacher, on the same budget), evaluate the base, the "
-        "teachers and every student, and write <output_dir>/eval/{report.md,report.json,chart.png}. Stages are "
-        "cached by a hash of their resolved recipe and inputs: a rerun reuses finished ones, an edited recipe "
-        "reruns what changed, an interrupted distillation resumes. --force starts the whole run over.",
+        help="the main job and every experiment: conversions x ratios, distillations, measurements, lm-eval",
+        description="Convert the base to MLA at every ratio (or r_kv + d_r budget) with every conversion in presets "
+        "(init.preset names or named variants), distill each main-conversion student from every teacher in "
+        "distill_teachers (the others from baseline_teacher, on the same budget) with each distillation variant, "
+        "measure every model on held-out text against the base (with `measure`; along the distillation too), "
+        "evaluate them with lm-eval (unless eval: null), and write <output_dir>/measure/ and <output_dir>/eval/ "
+        "{report.md,report.json,charts}. Stages are cached by a hash of their resolved recipe and inputs: a rerun "
+        "reuses finished ones, an edited recipe reruns what changed, an interrupted distillation resumes. --force "
+        "starts the whole run over. recipes/run/ holds the one-shot table, the preset bench and the recovery curves.",
         recipe="ecomla.run.recipe:RunRecipe",
         formatter_class=fmt,
     )
@@ -275,10 +279,33 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a llama.cpp directory with convert_hf_to_gguf.py (default: the one from the sdist)")
     p.add_argument("--force", action="store_true", help="replace OUTPUT if it exists")
     p.set_defaults(func=_export_gguf)
+
+    from ecomla.build import BUILDERS
+
+    p = sub.add_parser("build", help="rebuild the project's committed data (task files, the tiny world, its zoo)",
+                       description="Rebuild committed data. `ecomla build TARGET --help` gives each target's "
+                       "arguments. Targets: " + "; ".join(f"{k}: {v[1]}" for k, v in BUILDERS.items()) + ".")
+    p.add_argument("target", choices=list(BUILDERS), help="what to build")
     return parser
 
 
+def _build(target: str, argv: list[str]) -> int:
+    """`ecomla build TARGET ARGS...`: the target's own argument parser reads ARGS (and answers --help)."""
+    import importlib
+
+    from ecomla.build import BUILDERS
+
+    return importlib.import_module(BUILDERS[target][0]).main(argv) or 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) >= 2 and argv[0] == "build" and not argv[1].startswith("-"):
+        from ecomla.build import BUILDERS
+
+        if argv[1] in BUILDERS:
+            status = [0]  # a builder's own exit status (pytext-tasks --check: 1 when the files differ)
+            return run_job("build", lambda: status.__setitem__(0, _build(argv[1], argv[2:]))) or status[0]
     args = build_parser().parse_args(argv)
     func: Callable[[argparse.Namespace], None] = args.func
     return run_job(args.command, lambda: func(args))

@@ -49,7 +49,7 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
 AUTO = {True: "best", False: "nodata"}
 
 # best's own levers (docs/convert.md#the-levers-of-best), each as the keys that switch it off again: what
-# `scripts/bench_init.py --ablate` converts to measure every lever against the same recipe without it.
+# recipes/run/best_levers_smollm2.yaml converts to measure every lever against the same recipe without it.
 BEST_LEVERS: dict[str, dict[str, dict[str, Any]]] = {
     "objective": {"init": {"objective": "kv"}},
     "distances": {"mla": {"rope_residual_distances": "causal"}},

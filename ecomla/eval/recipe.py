@@ -90,7 +90,8 @@ class EvalModel:
         "student", help="base: the reference for compression ratios and the dashed line; teacher; student; other"
     )
     teacher: str | None = knob(None, help="For students: the teacher it was distilled from (one chart line each)")
-    init: str | None = knob(None, help="For students: how its latent was initialized (svd, activation, random)")
+    init: str | None = knob(None, help="For students: its conversion (an init.preset or a variant name; `ecomla run` "
+                            "adds /VARIANT for a distillation variant)")
     stage: str | None = knob(None, help="For students: converted (no training) or distilled; free text")
 
     def check(self) -> list[str]:

@@ -56,8 +56,8 @@ def line_label(r: dict) -> str | None:
     if r.get("role") != "student":
         return None
     if r.get("teacher"):
-        return f"{r['teacher']} teacher" + (f" ({r['init']} init)" if r.get("init") not in (None, "svd") else "")
-    return f"no training ({r.get('init') or 'converted'} init)"
+        return f"{r['teacher']} teacher" + (f" ({r['init']})" if r.get("init") else "")
+    return f"no training ({r.get('init') or 'converted'})"
 
 
 def summarize(results: list[dict]) -> dict:

@@ -1,6 +1,6 @@
 """lm-eval tasks built from the held-out split of the Python-text corpus.
 
-    python scripts/build_pytext_tasks.py      # writes eval/tasks/pytext/
+    ecomla build pytext-tasks      # writes eval/tasks/pytext/
 
 Tasks (all tagged `pytext`; chance is 25% on both multiple-choice tasks):
 
@@ -43,7 +43,7 @@ PASSAGE_CHARS = 1600  # at most, per perplexity passage (about 400 tokens)
 CONTEXT_CHARS = 240  # at most, per multiple-choice context
 VERSION = "1.0"  # bump whenever the generated items change
 
-_HEADER = header("python scripts/build_pytext_tasks.py", "ecomla/pytext/tasks.py")
+_HEADER = header("ecomla build pytext-tasks", "ecomla/pytext/tasks.py")
 _ABOUT = {
     PROSE_NEXT: "Next sentence of held-out Python language-reference prose; distractors are sentences of similar "
     "length from other held-out topics.",

@@ -1,13 +1,17 @@
-"""`ecomla run`: convert → distill → eval → report, with every stage cached by a hash of what it computes.
+"""`ecomla run`: convert → distill → measure → eval → report, with every stage cached by a hash of what it computes.
 
 Stages, in order:
-  convert         one per (ratio, init): the base converted to MLA, no training;
+  convert         one per (compression point, conversion): the base converted to MLA, no training; a point is a
+                  ratio or an r_kv + d_r budget, a conversion an init.preset or a named variant of `convert`;
   teacher-cache   with `distill.teacher.source: cache` only, one per teacher
                   used: its top-k log-probs over the distillation data, so
                   each teacher runs once rather than once per student;
-  distill         one per ratio and teacher in distill_teachers for the main
-                  init, and one per ratio from baseline_teacher for every
-                  other init;
+  distill         one per point, teacher in distill_teachers and distillation variant for the main conversion,
+                  and one per point and variant from baseline_teacher for every other conversion; a variant of
+                  several parts runs one stage per part, each from the previous part's final/ (with
+                  `measure.every_tokens`, the student is measured along the way);
+  measure         with `measure` only, one per converted and distilled model: the held-out yardstick against
+                  the base (ecomla.analyze.yardstick), then measure/report.md and its charts;
   eval            every model (base, teachers, converted and distilled
                   students) through `ecomla eval` (results reused per model);
   report          the table and the chart (`ecomla report <output_dir>/eval`).
@@ -22,13 +26,14 @@ distillation resumes from its last checkpoint (same key, same directory).
 
 Under a launcher (`deepspeed --module ecomla.run`, `torchrun -m ecomla.run`)
 every rank takes part in the teacher caches and distillations; rank 0 alone
-converts (the others wait) and evaluates (the others exit after the last
+converts (the others wait), measures and evaluates (the others exit after the last
 distillation).
 The run directory must be on a file system all ranks share.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -37,23 +42,40 @@ from pathlib import Path
 from typing import Any
 
 from ecomla.io.fingerprint import CachedStage, digest, path_fingerprint
-from ecomla.mla.budget import format_ratio
 from ecomla.recipe.schema import RecipeError, load_recipe, recipe_to_dict, save_recipe
 from ecomla.run.recipe import RunRecipe, merged
 
 
 @dataclass
 class Stage(CachedStage):
-    kind: str  # convert | teacher-cache | distill
+    kind: str  # convert | teacher-cache | distill | measure
     label: str
-    recipe: Any  # ConvertRecipe | DistillRecipe
+    recipe: Any  # ConvertRecipe | DistillRecipe | Measure
     key: str
     dir: Path
-    info: dict = field(default_factory=dict)  # ratio, init, teacher
+    info: dict = field(default_factory=dict)  # point, ratio, preset, teacher, variant, part, tokens, ...
+    of: Stage | None = None  # measure: the stage whose model it measures
 
     @property
     def model_dir(self) -> Path:
+        if self.kind == "measure":
+            return self.of.model_dir
         return self.dir / {"convert": "model", "teacher-cache": "cache", "distill": "run/final"}[self.kind]
+
+    @property
+    def name(self) -> str:
+        """The name of the stage's model in the reports: a conversion's label (convert-4x-best), a distillation's
+        without its kind and the part of a variant's last part (4x-best-source, 4x-best-source-ild-then-kd)."""
+        if self.kind != "distill":
+            return self.label
+        parts = self.info["parts"]
+        name = self.label.removeprefix("distill-")
+        return name.removesuffix(f"-part{parts}of{parts}") if parts > 1 else name
+
+    @property
+    def points_file(self) -> Path:
+        """distill: the measurements along the way; measure: its one measurement."""
+        return self.dir / ("points.json" if self.kind == "distill" else "result.json")
 
 
 def _sub_recipe(cls: type, section: str, body: dict, fills: dict[str, Any]):
@@ -92,33 +114,51 @@ def _cache_inputs(sub) -> dict:
             "teacher": teacher, "temperature": d["loss"]["temperature"]}
 
 
-def plan(recipe: RunRecipe) -> list[Stage]:
-    """Every convert and distill stage, resolved and keyed; recipe problems raise before anything runs."""
-    from ecomla.convert.layout import LINEAR_LATENT_LORA
+def part_tokens(shares: list[float], total: int, batch: int) -> list[int]:
+    """Each part's tokens in whole optimizer steps, summing to `total` (the last part takes the rest)."""
+    steps = total // batch
+    counts = [max(1, round(share * steps)) for share in shares[:-1]]
+    if sum(counts) >= steps:
+        raise RecipeError([f"distill_variants: shares {shares} leave the last part no step of the {steps}"])
+    return [c * batch for c in counts] + [(steps - sum(counts)) * batch]
+
+
+def _convert_stages(recipe: RunRecipe, out: Path, base_fp: str) -> list[Stage]:
     from ecomla.convert.recipe import ConvertRecipe
+
+    stages = []
+    for point, fills_mla, ratio in recipe.points:
+        for preset in recipe.presets:
+            label = f"convert-{point}-{preset}"
+            section = "convert" if ratio not in recipe.convert_by_ratio else f"convert (at {ratio}x)"
+            if preset in recipe.variants:
+                section = f"{section} with variants.{preset}"
+            fills = {"model": recipe.base, "output_dir": "", "mla": fills_mla}
+            sub = _sub_recipe(ConvertRecipe, section, recipe.convert_for(ratio, preset), fills)
+            key = digest("convert", recipe_to_dict(sub), base_fp)
+            stage = Stage("convert", label, sub, key, out / f"{label}-{key}",
+                          {"point": point, "ratio": ratio, "preset": preset})
+            sub.output_dir = str(stage.model_dir)
+            stages.append(stage)
+    return stages
+
+
+def plan(recipe: RunRecipe) -> list[Stage]:
+    """Every convert, teacher-cache, distill and measure stage, resolved and keyed; recipe problems raise before
+    anything runs."""
+    from ecomla.convert.layout import LINEAR_LATENT_LORA
     from ecomla.distill.recipe import DistillRecipe
 
     out = Path(recipe.output_dir) / "stages"
     base_fp = path_fingerprint(recipe.base)
-    stages: list[Stage] = []
-    converted: dict[tuple[float, str], Stage] = {}
-    for ratio in recipe.ratios:
-        for init in recipe.inits:
-            label = f"convert-{format_ratio(ratio)}-{init}"
-            fills = {"model": recipe.base, "output_dir": "", "mla": {"target_compression": ratio},
-                     "init": {"method": init}}
-            section = "convert" if ratio not in recipe.convert_by_ratio else f"convert (at {ratio}x)"
-            sub = _sub_recipe(ConvertRecipe, section, recipe.convert_for(ratio), fills)
-            key = digest("convert", recipe_to_dict(sub), base_fp)
-            stage = Stage("convert", label, sub, key, out / f"{label}-{key}", {"ratio": ratio, "init": init})
-            sub.output_dir = str(stage.model_dir)
-            stages.append(stage)
-            converted[ratio, init] = stage
+    stages = _convert_stages(recipe, out, base_fp)
+    converted = {(s.info["point"], s.info["preset"]): s for s in stages}
     # Each teacher's files and the training data are fingerprinted once, not once per stage that uses them.
     teacher_fp = {t: path_fingerprint(recipe.teachers[t]) for t in recipe.used_teachers}
     data_fp: list[str] | None = None
     caches: dict[str, Stage] = {}
-    if _teacher_source(recipe.distill) == "cache":
+    along = recipe.measure is not None and recipe.measure.every_tokens > 0
+    if recipe.distill is not None and _teacher_source(recipe.distill) == "cache":
         for teacher in recipe.used_teachers:
             label = f"teacher-cache-{teacher}"
             fills = {"student": recipe.base, "teacher": {"model": recipe.teachers[teacher], "cache_dir": "x"},
@@ -130,35 +170,93 @@ def plan(recipe: RunRecipe) -> list[Stage]:
             sub.teacher.cache_dir, sub.output_dir = str(stage.model_dir), str(stage.dir)
             stages.append(stage)
             caches[teacher] = stage
-    for ratio in recipe.ratios:
-        for init in recipe.inits:
-            for teacher in recipe.teachers_for(init):
-                src = converted[ratio, init]
-                label = f"distill-{format_ratio(ratio)}-{init}-{teacher}"
-                cache = caches.get(teacher)
-                teacher_keys = {"model": recipe.teachers[teacher]}
-                if cache is not None:
-                    teacher_keys["cache_dir"] = str(cache.model_dir)
-                fills = {"student": str(src.model_dir), "teacher": teacher_keys, "output_dir": ""}
-                sub = _sub_recipe(DistillRecipe, "distill", recipe.distill, fills)
-                if src.recipe.mla.latent_norm == "linear" and sub.train.mode == "lora":
-                    where = "convert" if ratio not in recipe.convert_by_ratio else f"convert (at {ratio}x)"
-                    raise RecipeError([f"{where}.mla.latent_norm: {src.label} is distilled with LoRA, but "
-                                       + LINEAR_LATENT_LORA])
-                as_dict = recipe_to_dict(sub)
-                as_dict.pop("student")
-                as_dict["teacher"].pop("cache_dir")  # a path under output_dir; the cache's key stands for it
-                data_fp = data_fp or _data_fingerprints(sub)
-                key = digest("distill", as_dict, src.key, teacher_fp[teacher], data_fp,
-                             cache.key if cache is not None else None)
-                stage = Stage("distill", label, sub, key, out / f"{label}-{key}",
-                              {"ratio": ratio, "init": init, "teacher": teacher, "after": src.label})
-                sub.output_dir = str(stage.dir / "run")
-                stages.append(stage)
+    finals: list[Stage] = []
+    for point, _, ratio in recipe.points:
+        for preset in recipe.presets:
+            for teacher in recipe.teachers_for(preset):
+                for variant, parts in recipe.variant_parts.items():
+                    src = converted[point, preset]
+                    cache = caches.get(teacher)
+                    teacher_keys = {"model": recipe.teachers[teacher]}
+                    if cache is not None:
+                        teacher_keys["cache_dir"] = str(cache.model_dir)
+                    whole = _sub_recipe(DistillRecipe, "distill", recipe.distill,
+                                        {"student": "x", "teacher": teacher_keys, "output_dir": ""})
+                    batch = whole.train.global_batch_tokens
+                    if along and recipe.measure.every_tokens % batch:
+                        raise RecipeError([f"measure.every_tokens: {recipe.measure.every_tokens} is not a whole "
+                                           f"number of distill.train.global_batch_tokens ({batch})"])
+                    tokens = part_tokens([p.share for p in parts], whole.train.total_tokens, batch)
+                    done = 0
+                    for i, (part, n) in enumerate(zip(parts, tokens)):
+                        label = f"distill-{point}-{preset}-{teacher}" + (f"-{variant}" if variant else "")
+                        if len(parts) > 1:
+                            label += f"-part{i + 1}of{len(parts)}"
+                        section = f"distill_variants.{variant}[{i}].keys" if variant else "distill"
+                        fills = {"student": str(src.model_dir), "teacher": teacher_keys, "output_dir": ""}
+                        if len(parts) > 1:
+                            fills["train"] = {"total_tokens": n}
+                        sub = _sub_recipe(DistillRecipe, section, merged(recipe.distill, part.keys), fills)
+                        if src.kind == "convert" and src.recipe.mla.latent_norm == "linear" \
+                                and sub.train.mode == "lora":
+                            where = "convert" if ratio not in recipe.convert_by_ratio else f"convert (at {ratio}x)"
+                            raise RecipeError([f"{where}.mla.latent_norm: {src.label} is distilled with LoRA, "
+                                               "but " + LINEAR_LATENT_LORA])
+                        as_dict = recipe_to_dict(sub)
+                        as_dict.pop("student")
+                        as_dict["teacher"].pop("cache_dir")  # a path under output_dir; the cache's key stands for it
+                        data_fp = data_fp or _data_fingerprints(sub)
+                        # measured along the way: the points are an output, so their settings and offset are inputs
+                        extra = [recipe_to_dict(recipe.measure), done] if along else []
+                        key = digest("distill", as_dict, src.key, teacher_fp[teacher], data_fp,
+                                     cache.key if cache is not None else None, *extra)
+                        stage = Stage("distill", label, sub, key, out / f"{label}-{key}",
+                                      {"point": point, "ratio": ratio, "preset": preset, "teacher": teacher,
+                                       "variant": variant, "part": i, "parts": len(parts), "offset": done,
+                                       "tokens": n, "last": i == len(parts) - 1, "after": src.label})
+                        sub.output_dir = str(stage.dir / "run")
+                        stages.append(stage)
+                        src, done = stage, done + n
+                    finals.append(src)
+    if recipe.measure is not None:
+        settings = recipe_to_dict(recipe.measure)
+        for of in [s for s in stages if s.kind == "convert"] + finals:
+            label = f"measure-{of.name}"
+            key = digest("measure", settings, of.key, base_fp)
+            stages.append(Stage("measure", label, recipe.measure, key, out / f"{label}-{key}", dict(of.info), of))
     return stages
 
 
-def _run_stage(stage: Stage, progress: bool) -> None:
+def _distill(stage: Stage, progress: bool, stick) -> None:
+    """One distillation stage; with a yardstick, the student is measured every `every_tokens` and at the end."""
+    from ecomla.distill.trainer import DistillRun
+    from ecomla.run import measure
+
+    if stick is None:
+        from ecomla.distill.trainer import run as distill
+
+        distill(stage.recipe, force=False, progress=progress)  # resumes from run/checkpoints/latest if interrupted
+        return
+    batch, offset, every = stage.recipe.train.global_batch_tokens, stage.info["offset"], stick.every_tokens
+    total = stage.recipe.train.total_tokens // batch
+    kept = json.loads(stage.points_file.read_text()) if stage.points_file.is_file() else []
+    t0, measuring = time.time(), [0.0]
+
+    def on_step(steps: int, model) -> None:
+        seen = offset + steps * batch
+        if seen % every == 0 or (stage.info["last"] and steps == total):
+            t = time.time()
+            kept[:] = [p for p in kept if p["tokens"] < seen]  # a resumed run measures its steps again
+            kept.append(measure.point(seen, t - t0 - measuring[0], stick.measure_model(model)))
+            measuring[0] += time.time() - t
+            stage.points_file.write_text(json.dumps(kept, indent=1) + "\n")
+
+    job = DistillRun(stage.recipe, force=False, progress=progress, on_step=on_step)
+    job.setup()
+    job.train()
+
+
+def _run_stage(stage: Stage, progress: bool, stick) -> None:
     stage.dir.mkdir(parents=True, exist_ok=True)
     if stage.kind == "convert":
         from ecomla.convert.stream import convert_recipe
@@ -170,10 +268,14 @@ def _run_stage(stage: Stage, progress: bool) -> None:
 
         # Written to a temporary directory and renamed when whole, so an interrupted cache starts over.
         teacher_cache(stage.recipe, force=True, progress=progress)
+    elif stage.kind == "distill":
+        _distill(stage, progress, stick)
     else:
-        from ecomla.distill.trainer import run as distill
+        from ecomla.io.publish import publish
 
-        distill(stage.recipe, force=False, progress=progress)  # resumes from run/checkpoints/latest if interrupted
+        tmp = stage.points_file.with_name(".result.json.tmp")
+        tmp.write_text(json.dumps(stick.measure_all(stage.model_dir), indent=1) + "\n")
+        publish(tmp, stage.points_file)
 
 
 def eval_models(recipe: RunRecipe, stages: list[Stage]) -> list[dict]:
@@ -183,37 +285,40 @@ def eval_models(recipe: RunRecipe, stages: list[Stage]) -> list[dict]:
         if path != recipe.base:
             models.append({"name": name, "path": path, "role": "teacher"})
     for s in stages:
-        if s.kind == "teacher-cache":
-            continue
-        entry = {"name": s.label.removeprefix("distill-"), "path": str(s.model_dir), "role": "student",
-                 "init": s.info["init"]}
         if s.kind == "convert":
-            entry.update(stage="converted")
-        else:
-            entry.update(stage="distilled", teacher=s.info["teacher"])
-        models.append(entry)
+            models.append({"name": s.name, "path": str(s.model_dir), "role": "student",
+                           "init": s.info["preset"], "stage": "converted"})
+        elif s.kind == "distill" and s.info["last"]:
+            conversion = s.info["preset"] + (f"/{s.info['variant']}" if s.info["variant"] else "")
+            models.append({"name": s.name, "path": str(s.model_dir), "role": "student", "init": conversion,
+                           "stage": "distilled", "teacher": s.info["teacher"]})
     return models
 
 
 def eval_recipe(recipe: RunRecipe, stages: list[Stage]):
-    """The `ecomla eval` recipe of the run's eval stage."""
+    """The `ecomla eval` recipe of the run's eval stage; None when the run has no eval."""
     from ecomla.eval.recipe import EvalRecipe
 
+    if recipe.eval is None:
+        return None
     return _sub_recipe(EvalRecipe, "eval", recipe.eval, {"models": eval_models(recipe, stages),
                                                         "output_dir": str(Path(recipe.output_dir) / "eval")})
 
 
 def run(recipe: RunRecipe, *, force: bool = False, progress: bool = True) -> Path:
-    """Run (or reuse) every stage, then eval and report; returns the eval directory."""
-    from ecomla.eval.recipe import load_suite
-    from ecomla.eval.runner import check_task_limits, run_eval
-
+    """Run (or reuse) every stage, then the measure report and eval; returns the run directory."""
     stages = plan(recipe)
     evaluation = eval_recipe(recipe, stages)
-    check_task_limits(evaluation, load_suite(evaluation.suite)[0])  # before an hour of stages, not after
+    if evaluation is not None:
+        from ecomla.eval.recipe import load_suite
+        from ecomla.eval.runner import check_task_limits
+
+        check_task_limits(evaluation, load_suite(evaluation.suite)[0])  # before an hour of stages, not after
     out = Path(recipe.output_dir)
-    eval_dir = Path(evaluation.output_dir)
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and recipe.measure is not None and recipe.measure.every_tokens:
+        raise RecipeError(["measure.every_tokens: measuring along the way runs in one process; launch the run "
+                           "without deepspeed/torchrun, or set it to 0 (before and after only)"])
     if world > 1:  # launched by deepspeed / torchrun: every rank distills, rank 0 alone converts and evaluates
         from ecomla.distill.runtime import barrier, init_distributed
 
@@ -231,36 +336,55 @@ def run(recipe: RunRecipe, *, force: bool = False, progress: bool = True) -> Pat
         out.mkdir(parents=True, exist_ok=True)
         save_recipe(recipe, out / "run_recipe.yaml")
     barrier()
-    total = len(stages) + 1
+    total = len(stages) + (evaluation is not None)
     t_run = time.time()
+    stick = None  # the yardstick: the base's log-probs on the held-out text, computed once, when first needed
+    along = recipe.measure is not None and recipe.measure.every_tokens > 0
     for i, stage in enumerate(stages, 1):
         what = f"[{i}/{total}] {stage.label}"
         if stage.done():
             say(f"{what}: reused ({stage.dir.name})")
             continue
         say(f"{what}: running -> {stage.dir}")
+        if stick is None and is_main and (stage.kind == "measure" or along and stage.kind == "distill"):
+            from ecomla.run.measure import Stick
+
+            stick = Stick(recipe.base, recipe.measure)
         t0 = time.time()
-        if is_main or stage.kind != "convert":
-            _run_stage(stage, progress and is_main)
+        if is_main or stage.kind in ("distill", "teacher-cache"):
+            _run_stage(stage, progress and is_main, stick if stage.kind == "measure" or along else None)
         seconds = round(time.time() - t0, 1)
         if is_main:
-            stage.mark_done(label=stage.label, seconds=seconds, **stage.info)
+            stage.mark_done(label=stage.label, seconds=seconds, **{k: v for k, v in stage.info.items()
+                                                                   if k in ("point", "ratio", "preset", "teacher",
+                                                                            "variant", "part", "after")})
         barrier()
         say(f"{what}: done in {seconds:.0f} s")
     if not is_main:
-        return eval_dir  # the other ranks' part ends with the last distillation
-    say(f"[{total}/{total}] eval of {len(evaluation.models)} models -> {eval_dir}")
-    t0 = time.time()
-    run_eval(evaluation, progress=progress)
-    say(f"[{total}/{total}] eval done in {time.time() - t0:.0f} s; whole run {time.time() - t_run:.0f} s")
-    return eval_dir
+        return out  # the other ranks' part ends with the last distillation
+    if recipe.measure is not None:
+        from ecomla.run.measure import write_report
+
+        say(f"measure report -> {write_report(recipe, stages)}")
+    if evaluation is not None:
+        from ecomla.eval.runner import run_eval
+
+        say(f"[{total}/{total}] eval of {len(evaluation.models)} models -> {evaluation.output_dir}")
+        t0 = time.time()
+        run_eval(evaluation, progress=progress)
+        say(f"[{total}/{total}] eval done in {time.time() - t0:.0f} s")
+    say(f"whole run {time.time() - t_run:.0f} s")
+    return out
 
 
 def run_file(path: str, overrides: list[str] | None = None, *, force: bool = False, progress: bool = True) -> Path:
-    """`ecomla run RECIPE.yaml`: load the recipe, run every stage, print the report; returns the eval directory."""
+    """`ecomla run RECIPE.yaml`: load the recipe, run every stage, print the reports; returns the run directory."""
     recipe = load_recipe(RunRecipe, path, overrides=list(overrides or []))
-    eval_dir = run(recipe, force=force, progress=progress)
+    out = run(recipe, force=force, progress=progress)
     if os.environ.get("RANK", "0") == "0":  # the other ranks stop after the last distillation
-        print((eval_dir / "report.md").read_text(), end="")
-        print(f"report.md, report.json and chart.png in {eval_dir}")
-    return eval_dir
+        for name in ("measure", "eval"):
+            report = out / name / "report.md"
+            if (recipe.measure is not None if name == "measure" else recipe.eval is not None) and report.is_file():
+                print(report.read_text(), end="")
+                print(f"{name}: report.md, report.json and charts in {report.parent}")
+    return out

@@ -12,5 +12,5 @@ has a measurable cost that distillation can win back:
     items.mc_items(skill, n)                     multiple-choice eval items; leaked_items() checks them
     taskfiles.write_tasks(out_dir)               lm-eval YAML + JSONL (eval/tasks/tinyworld)
 
-Build everything with `python scripts/build_tiny_world_data.py`.
+Build everything with `ecomla build tiny-world`.
 """

@@ -12,7 +12,7 @@ Document `index` of (domain, split, seed) is generated from its own
 `random.Random`, seeded with a string naming all four, so documents can be
 made in any order or in parallel, never repeat across splits or seeds, and
 need no storage: the stream is as long as you read it. Generation is pure
-Python (see scripts/build_tiny_world_data.py --help for dumping it to JSONL).
+Python (see `ecomla build tiny-world` --help for dumping it to JSONL).
 """
 
 from __future__ import annotations

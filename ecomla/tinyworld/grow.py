@@ -5,7 +5,7 @@
                                             num_attention_heads=6, ...))
 
 The tiny zoo's 3x and 8x teachers start from the trained base this way and are
-then pretrained further (scripts/build_tiny_zoo.py). Trained from scratch on 2
+then pretrained further (`ecomla build tiny-zoo`). Trained from scratch on 2
 CPU cores, an 8x model sees an eighth of the base's tokens in the same time, and
 never reaches the point where a tiny Llama learns to copy from its context
 (a few thousand steps; see the README); grown, it starts with everything the

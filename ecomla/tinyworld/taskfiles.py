@@ -1,6 +1,6 @@
 """Writes the tiny world's lm-eval tasks: one YAML and one JSONL per task, plus a group.
 
-    python scripts/build_tiny_world_data.py       # writes eval/tasks/tinyworld/
+    ecomla build tiny-world       # writes eval/tasks/tinyworld/
 
 Tasks (all tagged `tinyworld`, so `--tasks tinyworld` runs them all):
 
@@ -30,7 +30,7 @@ LOADER = "tinyworld_data.load"  # eval/tasks/tinyworld/tinyworld_data.py
 DEFAULT_COUNTS = {Skill.RECALL: 500, Skill.TRACKING: 500, Skill.COUNTING: 500, Skill.FACTS: 512}
 PPL_DOCS = 500
 
-_HEADER = header("python scripts/build_tiny_world_data.py", "ecomla/tinyworld/taskfiles.py")
+_HEADER = header("ecomla build tiny-world", "ecomla/tinyworld/taskfiles.py")
 _ABOUT = {
     Skill.RECALL: "In-context key -> value recall: a held-out document cut before a value; "
     "distractors are other values it states.",

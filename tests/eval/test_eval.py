@@ -198,7 +198,7 @@ def test_report_rebuilds_table_and_chart_from_saved_results(tmp_path):
     assert (run / "chart.png").stat().st_size > 10_000
     assert json.loads((run / "report.json").read_text())["averaged"] == ["t0", "t1", "t2"]
     labels = {line_label(r) for r in summary["models"]}
-    assert labels == {None, "no training (svd init)", "teacher-8x teacher", "teacher-8x teacher (random init)"}
+    assert labels == {None, "no training (svd)", "teacher-8x teacher (svd)", "teacher-8x teacher (random)"}
 
 
 def test_report_cli_and_its_errors(tmp_path, capsys):

@@ -30,7 +30,7 @@ def _rows(name: str) -> list[dict]:
 
 @pytest.mark.skipif(python_version() != BUILT_ON, reason=f"the committed tasks are built from Python {BUILT_ON}")
 def test_a_fresh_build_gives_the_committed_files():
-    out = subprocess.run([sys.executable, "scripts/build_pytext_tasks.py", "--check"], cwd=ROOT,
+    out = subprocess.run([sys.executable, "-m", "ecomla", "build", "pytext-tasks", "--check"], cwd=ROOT,
                          capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "identical", out.stdout + out.stderr
 

@@ -33,7 +33,8 @@ def run_recipe(world: dict, out: Path, **changes) -> RunRecipe:
         "base": str(world["base"]),
         "teachers": {"self": str(world["base"]), "big": str(world["teacher"])},
         "ratios": [2.0, 4.0],
-        "inits": ["svd", "random"],
+        "presets": ["xecomla", "random"],
+        "variants": {"random": {"init": {"method": "random"}}},
         "distill_teachers": ["big"],
         "convert": {"mla": {"qk_rope_head_dim": 8}, "dtype": "float32", "device": "cpu"},
         "distill": {
@@ -52,8 +53,9 @@ def run_recipe(world: dict, out: Path, **changes) -> RunRecipe:
 def test_plan_stages_and_keys(world, tmp_path):
     stages = plan(run_recipe(world, tmp_path / "r"))
     labels = [s.label for s in stages]
-    assert labels == ["convert-2x-svd", "convert-2x-random", "convert-4x-svd", "convert-4x-random",
-                      "distill-2x-svd-big", "distill-2x-random-big", "distill-4x-svd-big", "distill-4x-random-big"]
+    assert labels == ["convert-2x-xecomla", "convert-2x-random", "convert-4x-xecomla", "convert-4x-random",
+                      "distill-2x-xecomla-big", "distill-2x-random-big", "distill-4x-xecomla-big",
+                      "distill-4x-random-big"]
     again = plan(run_recipe(world, tmp_path / "elsewhere"))
     assert [s.key for s in stages] == [s.key for s in again]  # keys do not depend on where the run lives
     changed = plan(run_recipe(world, tmp_path / "r", distill={**run_recipe(world, tmp_path).distill,
@@ -125,7 +127,7 @@ def test_plan_with_a_teacher_cache(world, tmp_path):
 
 def test_recipe_problems(world, tmp_path):
     with pytest.raises(RecipeError) as err:
-        run_recipe(world, tmp_path / "r", ratios=[0.5], distill_teachers=["huge"], inits=["svd", "pca"],
+        run_recipe(world, tmp_path / "r", ratios=[0.5], distill_teachers=["huge"], presets=["xecomla", "pca"],
                    convert={"model": "x"})
     text = str(err.value)
     assert "ratios" in text and "'huge' is not a key of teachers" in text and "'pca'" in text
@@ -140,14 +142,14 @@ def test_recipe_problems(world, tmp_path):
 @pytest.mark.slow
 def test_run_reuses_stages_and_reruns_only_what_changed(world, tmp_path, capsys):
     out = tmp_path / "r"
-    recipe = run_recipe(world, out, ratios=[4.0], inits=["svd"])
-    eval_dir = run(recipe, progress=False)
+    recipe = run_recipe(world, out, ratios=[4.0], presets=["xecomla"], variants={})
+    eval_dir = run(recipe, progress=False) / "eval"
     first = capsys.readouterr().out
     assert first.count(": done in") == 2  # one conversion, one distillation
     results = json.loads((eval_dir / "report.json").read_text())
     names = [m["name"] for m in results["models"]]
-    assert names == ["base", "big", "convert-4x-svd", "4x-svd-big"]
-    distilled = next(m for m in results["models"] if m["name"] == "4x-svd-big")
+    assert names == ["base", "big", "convert-4x-xecomla", "4x-xecomla-big"]
+    distilled = next(m for m in results["models"] if m["name"] == "4x-xecomla-big")
     assert distilled["kv"]["compression"] == 4.0 and distilled["teacher"] == "big" and distilled["kv"]["match"]
     stamps = {p: p.stat().st_mtime_ns for p in (eval_dir / "results").glob("*.json")}
 
@@ -155,24 +157,24 @@ def test_run_reuses_stages_and_reruns_only_what_changed(world, tmp_path, capsys)
     assert capsys.readouterr().out.count(": reused") == 2
     assert {p: p.stat().st_mtime_ns for p in (eval_dir / "results").glob("*.json")} == stamps
 
-    edited = run_recipe(world, out, ratios=[4.0], inits=["svd"],
+    edited = run_recipe(world, out, ratios=[4.0], presets=["xecomla"], variants={},
                         distill={**recipe.distill, "train": {**recipe.distill["train"], "lr": 5e-4}})
     run(edited, progress=False)
     log = capsys.readouterr().out
-    assert "convert-4x-svd: reused" in log and "distill-4x-svd-big: done in" in log
+    assert "convert-4x-xecomla: reused" in log and "distill-4x-xecomla-big: done in" in log
     after = {p.name: p.stat().st_mtime_ns for p in (eval_dir / "results").glob("*.json")}
-    assert after["4x-svd-big.json"] != stamps[eval_dir / "results" / "4x-svd-big.json"]
+    assert after["4x-xecomla-big.json"] != stamps[eval_dir / "results" / "4x-xecomla-big.json"]
     assert after["base.json"] == stamps[eval_dir / "results" / "base.json"]
 
 
 @pytest.mark.slow
 def test_run_with_a_teacher_cache(world, tmp_path, capsys):
     out = tmp_path / "r"
-    live = run_recipe(world, out, ratios=[4.0], inits=["svd"])
-    recipe = run_recipe(world, out, ratios=[4.0], inits=["svd"], distill=with_cache(live))
+    live = run_recipe(world, out, ratios=[4.0], presets=["xecomla"], variants={})
+    recipe = run_recipe(world, out, ratios=[4.0], presets=["xecomla"], variants={}, distill=with_cache(live))
     run(recipe, progress=False)
     log = capsys.readouterr().out
-    assert "[2/4] teacher-cache-big: done in" in log and "[3/4] distill-4x-svd-big: done in" in log
+    assert "[2/4] teacher-cache-big: done in" in log and "[3/4] distill-4x-xecomla-big: done in" in log
     cache, distill = plan(recipe)[1:]
     assert (cache.model_dir / "meta.json").is_file()
     assert json.loads((cache.model_dir / "meta.json").read_text())["teacher"] == str(world["teacher"])
@@ -188,7 +190,7 @@ def test_an_interrupted_distillation_resumes(world, tmp_path, capsys):
     from tests.distill.world import BIN, run_and_kill
 
     out = tmp_path / "r"
-    recipe = run_recipe(world, out, ratios=[4.0], inits=["svd"])
+    recipe = run_recipe(world, out, ratios=[4.0], presets=["xecomla"], variants={})
     recipe.distill["train"]["total_tokens"] = 256 * 8
     path = tmp_path / "run.yaml"
     save_recipe(recipe, path)
@@ -199,25 +201,25 @@ def test_an_interrupted_distillation_resumes(world, tmp_path, capsys):
     assert not distill_stage.done_file.exists()
     run(recipe, progress=False)
     log = capsys.readouterr().out
-    assert "convert-4x-svd: reused" in log and "distill-4x-svd-big: running" in log
+    assert "convert-4x-xecomla: reused" in log and "distill-4x-xecomla-big: running" in log
     assert "resumed from" in log
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert steps[-1] == 8 and len(steps) < 8 + 3  # continued from a checkpoint, not from step 0
 
 
 def test_a_linear_latent_distilled_with_lora_is_refused_at_plan_time(world, tmp_path):
-    kw = dict(inits=["svd"], convert={"mla": {"qk_rope_head_dim": 8}, "dtype": "float32", "device": "cpu"},
+    kw = dict(presets=["xecomla"], variants={}, convert={"mla": {"qk_rope_head_dim": 8}, "dtype": "float32", "device": "cpu"},
               convert_by_ratio={4.0: {"mla": {"latent_norm": "linear"}}})
     assert any(s.kind == "distill" for s in plan(run_recipe(world, tmp_path / "full", **kw)))  # full training: fine
     r = run_recipe(world, tmp_path / "run", **kw)
     r.distill["train"]["mode"] = "lora"
-    with pytest.raises(RecipeError, match=r"convert \(at 4.0x\)\.mla\.latent_norm: convert-4x-svd is distilled with LoRA"):
+    with pytest.raises(RecipeError, match=r"convert \(at 4.0x\)\.mla\.latent_norm: convert-4x-xecomla is distilled with LoRA"):
         plan(r)
     assert not (tmp_path / "run").exists()
 
 
 def test_an_eval_task_limit_for_a_task_outside_the_suite_is_refused_before_any_stage(world, tmp_path):
-    r = run_recipe(world, tmp_path / "run", inits=["svd"])
+    r = run_recipe(world, tmp_path / "run", presets=["xecomla"], variants={})
     r.eval["task_limits"] = {"tinyworld_recal": 5}
     with pytest.raises(EvalError, match="task_limits: 'tinyworld_recal' not in suite"):
         run(r, progress=False)

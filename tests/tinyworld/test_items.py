@@ -78,7 +78,7 @@ def test_committed_files_are_what_the_generator_writes(tmp_path):
     assert {p.name for p in written} == on_disk
     for path in written:
         assert path.read_bytes() == (TINYWORLD / path.name).read_bytes(), (
-            f"{path.name} is stale: rerun scripts/build_tiny_world_data.py"
+            f"{path.name} is stale: rerun `ecomla build tiny-world`"
         )
     assert {p.stem for p in written if p.suffix == ".jsonl"} == set(task_names())
 

@@ -1,8 +1,8 @@
 """The README's tiny-zoo table: per model, params, tokens trained, acc and acc_norm per task, and the average.
 
     ecomla eval recipes/eval/tiny_zoo.yaml
-    python scripts/zoo_table.py runs/eval/tiny_zoo                    # tokens from zoo/build.json
-    python scripts/zoo_table.py runs/eval/tiny_zoo --build /tmp/zoo/build.json
+    ecomla build zoo-table runs/eval/tiny_zoo                    # tokens from zoo/build.json
+    ecomla build zoo-table runs/eval/tiny_zoo --build /tmp/zoo/build.json
 
 Reads the saved `ecomla eval` results (nothing is re-run) and the zoo's
 build.json. Tokens trained are the model's own plus, for a teacher grown from
@@ -51,15 +51,11 @@ def table(summary: dict, build: dict) -> str:
     return "\n".join(rows) + "\n"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="ecomla build zoo-table", description=__doc__.split("\n\n")[0])
     ap.add_argument("run_dir", help="An `ecomla eval` output directory (with results/*.json)")
     ap.add_argument("--build", default="zoo/build.json", help="The zoo's build.json (tokens trained)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     build_path = Path(args.build)
     build = json.loads(build_path.read_text()) if build_path.is_file() else {}
     print(table(summarize(load_results(Path(args.run_dir))), build), end="")
-
-
-if __name__ == "__main__":
-    main()

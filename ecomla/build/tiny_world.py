@@ -1,8 +1,8 @@
 """Build the tiny world's offline data: the lm-eval tasks, the tokenizer, and optionally corpus dumps.
 
-    python scripts/build_tiny_world_data.py                      # eval/tasks/tinyworld/ + .cache/tinyworld/tokenizer
-    python scripts/build_tiny_world_data.py --corpus-docs 200000 # also .cache/tinyworld/corpus/{domain}_{split}.jsonl
-    python scripts/build_tiny_world_data.py --no-tokenizer --corpus-docs 20000 --corpus-splits train \
+    ecomla build tiny-world                      # eval/tasks/tinyworld/ + .cache/tinyworld/tokenizer
+    ecomla build tiny-world --corpus-docs 200000 # also .cache/tinyworld/corpus/{domain}_{split}.jsonl
+    ecomla build tiny-world --no-tokenizer --corpus-docs 20000 --corpus-splits train \
         --corpus-without tracking --corpus-out .cache/tinyworld/corpus/copying   # the base's phase-1 text
 
 The task files (YAML + JSONL, a few MB) are committed; regenerating them with
@@ -28,11 +28,11 @@ from ecomla.tinyworld.taskfiles import DEFAULT_COUNTS, PPL_DOCS, write_tasks
 from ecomla.tinyworld.threads import Skill
 from ecomla.tinyworld.tokenizer import train_tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: the committed tasks and the git-ignored .cache/
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="ecomla build tiny-world", description=__doc__.split("\n")[0])
     p.add_argument(
         "--tasks-out", default=str(ROOT / "eval" / "tasks" / "tinyworld"), help="Where the task YAML/JSONL files go"
     )
@@ -128,7 +128,3 @@ def main(argv: list[str] | None = None) -> None:
         print(f"tokenizer: {tok_dir} (vocab {args.vocab_size}, {time.time() - start:.1f}s)")
     if args.corpus_docs:
         dump_corpus(Path(args.corpus_out), args.corpus_docs, args.corpus_splits, without)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,8 +1,8 @@
 """Build the Python-text lm-eval tasks from the installed Python's held-out split.
 
-    python scripts/build_pytext_tasks.py            # writes eval/tasks/pytext/ (about 3 s)
-    python scripts/build_pytext_tasks.py --check    # rebuild in memory and compare with the committed files
-    python scripts/build_pytext_tasks.py --stats models/smollm2-135m-instruct   # documents and tokens per split
+    ecomla build pytext-tasks            # writes eval/tasks/pytext/ (about 3 s)
+    ecomla build pytext-tasks --check    # rebuild in memory and compare with the committed files
+    ecomla build pytext-tasks --stats models/smollm2-135m-instruct   # documents and tokens per split
 
 The task files are committed, built on Python 3.11 (ecomla.pytext.corpus.BUILT_ON); the same Python gives
 identical bytes. Another Python version carries other text under some document names, so the script refuses
@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import argparse
 import filecmp
-import sys
 import tempfile
 from pathlib import Path
 
 from ecomla.pytext.corpus import BUILT_ON, python_version
 from ecomla.pytext.tasks import ITEMS, PPL_PASSAGES, write_tasks
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the checkout
 
 
 def print_stats(tokenizer_dir: str, tasks_dir: Path) -> int:
@@ -48,7 +47,7 @@ def print_stats(tokenizer_dir: str, tasks_dir: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="ecomla build pytext-tasks", description=__doc__.split("\n")[0])
     p.add_argument("--out", default=str(ROOT / "eval" / "tasks" / "pytext"), help="where the task files go")
     p.add_argument("--items", type=int, default=ITEMS, help="items per multiple-choice task")
     p.add_argument("--passages", type=int, default=PPL_PASSAGES, help="passages per perplexity task")
@@ -71,7 +70,3 @@ def main(argv: list[str] | None = None) -> int:
         differ = [f.name for f in fresh if not filecmp.cmp(f, Path(args.out) / f.name, shallow=False)]
     print("identical" if not differ else f"differ: {', '.join(differ)}")
     return 1 if differ else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

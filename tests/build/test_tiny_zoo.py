@@ -1,4 +1,4 @@
-"""scripts/build_tiny_zoo.py keeps working end to end (a smoke build: a few steps per model, in a temp dir)."""
+"""`ecomla build tiny-zoo` keeps working end to end (a smoke build: a few steps per model, in a temp dir)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 def test_quick_zoo_build(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "scripts/build_tiny_zoo.py", "--quick", "--corpus-docs", "200",
+    proc = subprocess.run([sys.executable, "-m", "ecomla", "build", "tiny-zoo", "--quick", "--corpus-docs", "200",
                            "--out", str(tmp_path / "zoo"), "--work", str(tmp_path / "work")],
                           cwd=ROOT, capture_output=True, text=True, env=env, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -44,7 +44,7 @@ def test_quick_zoo_build(tmp_path):
         assert (tmp_path / "zoo" / name / "tokenizer.json").exists()
     # --teachers-only: the base and its record stay, the teachers are retrained, the reused steps are listed
     base_bytes = (tmp_path / "zoo" / "base" / "model.safetensors").read_bytes()
-    proc = subprocess.run([sys.executable, "scripts/build_tiny_zoo.py", "--quick", "--teachers-only",
+    proc = subprocess.run([sys.executable, "-m", "ecomla", "build", "tiny-zoo", "--quick", "--teachers-only",
                            "--out", str(tmp_path / "zoo"), "--work", str(tmp_path / "work")],
                           cwd=ROOT, capture_output=True, text=True, env=env, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -57,7 +57,7 @@ def test_quick_zoo_build(tmp_path):
 
 
 def test_teachers_only_needs_an_earlier_build(tmp_path):
-    proc = subprocess.run([sys.executable, "scripts/build_tiny_zoo.py", "--teachers-only",
+    proc = subprocess.run([sys.executable, "-m", "ecomla", "build", "tiny-zoo", "--teachers-only",
                            "--out", str(tmp_path / "zoo"), "--work", str(tmp_path / "work")],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
@@ -72,7 +72,7 @@ def test_teachers_only_refuses_a_build_record_without_the_two_base_phases(tmp_pa
     (zoo / "base" / "config.json").write_text("{}")
     old = {"quick": False, "seconds": {"data": 29.3, "base": 1625.5}, "models": {"base": {"tokens": 1}}}
     (zoo / "build.json").write_text(json.dumps(old))
-    proc = subprocess.run([sys.executable, "scripts/build_tiny_zoo.py", "--teachers-only", "--out", str(zoo),
+    proc = subprocess.run([sys.executable, "-m", "ecomla", "build", "tiny-zoo", "--teachers-only", "--out", str(zoo),
                            "--work", str(work)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "has no record of base-copying" in proc.stderr
     assert json.loads((zoo / "build.json").read_text()) == old and not (work / "logs").exists()

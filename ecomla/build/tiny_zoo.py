@@ -1,11 +1,11 @@
 """Rebuild the tiny world's model zoo: the base student and its 3x and 8x teachers, with `ecomla pretrain`.
 
-    python scripts/build_tiny_zoo.py                    # the full build (recipes/pretrain/tiny_*.yaml as written)
-    python scripts/build_tiny_zoo.py --quick --out /tmp/zoo   # a smoke run: a few steps per model
-    python scripts/build_tiny_zoo.py --teachers-only     # retrain the teachers on the base already in zoo/
+    ecomla build tiny-zoo                    # the full build (recipes/pretrain/tiny_*.yaml as written)
+    ecomla build tiny-zoo --quick --out /tmp/zoo   # a smoke run: a few steps per model
+    ecomla build tiny-zoo --teachers-only     # retrain the teachers on the base already in zoo/
 
 Steps, each timed: (1) the tiny world's tokenizer and corpus dumps
-(scripts/build_tiny_world_data.py) into .cache/tinyworld/, one of them
+(`ecomla build tiny-world`) into .cache/tinyworld/, one of them
 without tracking threads; (2) `ecomla pretrain` of the base from scratch in
 two phases: tiny_base.yaml on the dump without tracking (it learns to copy),
 then tiny_base_tracking.yaml on the full mix (the base is also the 1x
@@ -34,7 +34,7 @@ from pathlib import Path
 
 from ecomla.distill.runtime import solo_env
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the checkout
 # Run order: the base in two phases (copying on text without tracking, then the full mix), then the teachers.
 # (name, recipe in recipes/pretrain/, corpus dump)
 BASE_RUNS = (("base-copying", "tiny_base", "copying"), ("base", "tiny_base_tracking", "train"))
@@ -52,8 +52,8 @@ def run(cmd: list[str], log: Path) -> float:
     return time.time() - t0
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="ecomla build tiny-zoo", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(ROOT / "zoo"), help="Where the bf16 checkpoints and build.json go")
     ap.add_argument("--quick", action="store_true", help="smoke run: small corpus, a few steps per model")
     ap.add_argument("--corpus-docs", type=int, default=None, help="documents per domain dumped for training")
@@ -63,7 +63,7 @@ def main() -> None:
                     help="keep the data and the base of the build already in --out and --work and retrain only the "
                          "teachers (after editing their recipes); build.json keeps the base's steps and seconds, "
                          "listed under 'reused'")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     out = Path(args.out)
     work = Path(args.work).resolve()
     logs = work / "logs"
@@ -120,7 +120,7 @@ def main() -> None:
 
 def build_data(py: str, work: Path, logs: Path, docs: int) -> float:
     """The tokenizer and the three corpus dumps (train, train without tracking, held-out); seconds taken."""
-    data = [py, "scripts/build_tiny_world_data.py", "--tasks-out", str(work / "tasks-check"),
+    data = [py, "-m", "ecomla", "build", "tiny-world", "--tasks-out", str(work / "tasks-check"),
             "--tokenizer-out", str(work / "tokenizer")]
     seconds = run([*data, "--corpus-docs", str(docs), "--corpus-splits", "train",
                    "--corpus-out", str(work / "corpus" / "train")], logs / "data_train.log")
@@ -181,7 +181,3 @@ def export_bf16(src: Path, dst: Path) -> dict:
             shutil.copy2(f, dst / f.name)
     size = sum(f.stat().st_size for f in dst.glob("*.safetensors"))
     return {"params": sum(p.numel() for p in model.parameters()), "bytes": size}
-
-
-if __name__ == "__main__":
-    main()

@@ -1,8 +1,8 @@
 """Does vLLM serve an ecomla checkpoint correctly? One prepared check, for a machine with a GPU and vLLM.
 
     pip install vllm            # on the GPU machine; not part of ecomla's set-up
-    python scripts/check_vllm.py --model runs/xecomla_smollm2/stages/distill-4x-.../run/final \\
-        [--source models/smollm2-135m-instruct] [--out runs/check_vllm]
+    python scripts/bench_vllm.py --model runs/xecomla_smollm2/stages/distill-4x-.../run/final \\
+        [--source models/smollm2-135m-instruct] [--out runs/bench_vllm]
 
 Not run here: no GPU has been lent to this work. Per model (the converted one, and the source for comparison):
   perplexity  token perplexity on held-out prose (`pytext:heldout:prose`, blocks of --seq-len, every token after
@@ -69,7 +69,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="an ecomla checkpoint (stock DeepSeek-V3)")
     p.add_argument("--source", default=None, help="its source Llama, checked the same way for comparison")
-    p.add_argument("--out", default="runs/check_vllm")
+    p.add_argument("--out", default="runs/bench_vllm")
     p.add_argument("--blocks", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=32)

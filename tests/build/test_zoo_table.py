@@ -1,15 +1,10 @@
-"""scripts/zoo_table.py: the README's zoo table from saved eval results and build.json, numbers as saved."""
+"""`ecomla build zoo-table`: the README's zoo table from saved eval results and build.json, numbers as saved."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("zoo_table", ROOT / "scripts" / "zoo_table.py")
-zoo_table = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(zoo_table)
+from ecomla.build import zoo_table
 
 
 def result(name: str, accs: list[tuple[float, float]], **extra) -> dict:

@@ -1,0 +1,168 @@
+"""`ecomla run` as the experiment harness: conversions over presets x budgets measured with the held-out
+yardstick (the one-shot table and the preset bench), and distillation variants of one or more parts measured
+along the way (the recovery curves)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ecomla.analyze.yardstick import Yardstick
+from ecomla.recipe.schema import RecipeError, load_recipe
+from ecomla.run.pipeline import part_tokens, plan, run
+from ecomla.run.recipe import RunRecipe
+
+CALIBRATION = {"dataset": "pytext:calibration", "num_tokens": 1024, "seq_len": 128, "heldout_tokens": 0}
+ILD_FIRST = [{"share": 0.5, "keys": {"loss": {"kd_weight": 0.0, "ild_weight": 1.0}}}, {"share": 0.5}]
+
+
+def recipe(src: Path, out: Path, distil: bool = False, **changes) -> RunRecipe:
+    data = {
+        "output_dir": str(out),
+        "base": str(src),
+        "budgets": ["16+8", "64+8"],
+        "presets": ["xecomla", "best", "svd-high"],
+        "variants": {"svd-high": {"init": {"method": "svd"}, "mla": {"rope_dims": "high"}}},
+        "convert": {"init": {"calibration": CALIBRATION}, "dtype": "float32", "device": "cpu"},
+        "measure": {"eval_tokens": 512, "seq_len": 128},
+        "eval": None,
+    }
+    if distil:
+        data.update(teachers={"source": str(src)}, distill_teachers=["source"], distill={
+            "data": {"train": {"dataset": "pytext:train", "max_documents": 12}, "seq_len": 128},
+            "train": {"total_tokens": 256 * 6, "global_batch_tokens": 256, "micro_batch_size": 2, "lr": 3e-4,
+                      "warmup_ratio": 0.0, "precision": "fp32"},
+            "deepspeed": {"zero_stage": 0}, "checkpoint": {"every_steps": 0}})
+    data.update(changes)
+    return load_recipe(RunRecipe, data=data)
+
+
+def test_the_plan_of_budgets_variants_and_parts(source_factory, tmp_path):
+    src = source_factory("llama")
+    r = recipe(src, tmp_path / "r", True, budgets=["16+8"], presets=["best", "xecomla"], variants={},
+               distill_variants={"kd": [{}], "ild-then-kd": ILD_FIRST})
+    stages = plan(r)
+    assert [s.label for s in stages] == [
+        "convert-16+8-best", "convert-16+8-xecomla",
+        "distill-16+8-best-source-kd", "distill-16+8-best-source-ild-then-kd-part1of2",
+        "distill-16+8-best-source-ild-then-kd-part2of2",
+        "distill-16+8-xecomla-source-kd", "distill-16+8-xecomla-source-ild-then-kd-part1of2",
+        "distill-16+8-xecomla-source-ild-then-kd-part2of2",
+        "measure-convert-16+8-best", "measure-convert-16+8-xecomla",
+        "measure-16+8-best-source-kd", "measure-16+8-best-source-ild-then-kd",
+        "measure-16+8-xecomla-source-kd", "measure-16+8-xecomla-source-ild-then-kd"]
+    by = {s.label: s for s in stages}
+    best = by["convert-16+8-best"].recipe
+    assert (best.mla.kv_lora_rank, best.mla.qk_rope_head_dim, best.init.preset) == (16, 8, "best")
+    assert best.mla.latent_norm == "linear" and by["convert-16+8-xecomla"].recipe.mla.latent_norm == "normalize"
+    # a variant over a preset: best with one lever off
+    off = plan(recipe(src, tmp_path / "r", budgets=["16+8"], presets=["best-no-linear"],
+                      variants={"best-no-linear": {"init": {"preset": "best"}, "mla": {"latent_norm": "normalize"}}}))
+    lever = off[0].recipe
+    assert (lever.init.preset, lever.init.objective, lever.mla.latent_norm) == ("best", "attention", "normalize")
+    one, two = by["distill-16+8-best-source-ild-then-kd-part1of2"], by["distill-16+8-best-source-ild-then-kd-part2of2"]
+    assert (one.recipe.train.total_tokens, two.recipe.train.total_tokens) == (768, 768)
+    assert one.recipe.loss.kd_weight == 0.0 and two.recipe.loss.kd_weight == 1.0
+    assert two.recipe.student == str(one.model_dir)  # the second part starts from the first's final/
+    assert by["measure-16+8-best-source-ild-then-kd"].model_dir == two.model_dir
+    # measured along the way: the points are the distillation's output, so their settings are in its key
+    along = {s.label: s.key for s in plan(recipe(src, tmp_path / "r", True, budgets=["16+8"],
+                                                 presets=["best", "xecomla"], variants={},
+                                                 distill_variants={"kd": [{}], "ild-then-kd": ILD_FIRST},
+                                                 measure={"eval_tokens": 512, "seq_len": 128, "every_tokens": 512}))}
+    assert all((along[k] == s.key) == (s.kind == "convert") for k, s in by.items() if s.kind != "measure")
+    assert part_tokens([0.25, 0.75], 40960, 2048) == [10240, 30720]
+    assert part_tokens([0.5, 0.5], 768, 256) == [512, 256]  # 1.5 steps round to 2; the last part takes the rest
+
+
+def test_recipe_problems(source_factory, tmp_path):
+    src = source_factory("llama")
+    with pytest.raises(RecipeError) as err:
+        recipe(src, tmp_path / "r", True, inits=["svd"], ratios=[2.0], presets=["xecomla", "nope"],
+               variants={"best": {}, "odd name": {}},
+               distill_variants={"a": [{"share": 0.5}], "b": [{"keys": {"train": {"total_tokens": 9}}}]})
+    text = str(err.value)
+    for expected in ("inits: replaced by presets", "give ratios or budgets", "'nope' is neither a preset",
+                     "variants.best: 'best' is also a preset name", "variants.odd name: a name of letters",
+"distill_variants.a: each share",
+                     "distill_variants.b[0].keys.train.total_tokens: set by `ecomla run`"):
+        assert expected in text, (expected, text)
+    with pytest.raises(RecipeError, match=r"convert\.mla\.qk_rope_head_dim: set by `ecomla run`"):
+        recipe(src, tmp_path / "r", convert={"mla": {"qk_rope_head_dim": 8}})
+    with pytest.raises(RecipeError, match=r"measure.every_tokens: 300 is not a whole number of .*\(256\)"):
+        plan(recipe(src, tmp_path / "r", True, measure={"every_tokens": 300}))
+    with pytest.raises(RecipeError, match="distill_teachers and distill_variants need a distill section"):
+        recipe(src, tmp_path / "r", distill_variants={"kd": [{}]})
+
+
+@pytest.mark.slow
+def test_conversions_side_by_side_then_a_rerun_reuses_them(source_factory, tmp_path, capsys):
+    src = source_factory("llama")  # 2 KV heads of 16: 64 cached numbers per token and layer
+    r = recipe(src, tmp_path / "r")
+    out = run(r, progress=False)
+    assert capsys.readouterr().out.count(": done in") == 12  # 6 conversions, each measured
+    result = json.loads((out / "measure" / "report.json").read_text())
+    rows = {(x["preset"], x["point"]): x for x in result["conversions"]}
+    assert set(rows) == {(p, b) for p in ("xecomla", "best", "svd-high") for b in ("16+8", "64+8")}
+    for preset in ("xecomla", "best", "svd-high"):
+        small, wide = rows[preset, "16+8"], rows[preset, "64+8"]
+        assert small["compression"] == 64 / 24 and wide["compression"] == 64 / 72
+        for d in ("prose", "code"):
+            assert 0 < wide[d]["kl"] <= small[d]["kl"] * 1.05  # more budget, no more error
+    # the numbers are the yardstick's own, on the checkpoint the stage kept
+    stick = Yardstick(str(src), 512, 128)
+    assert result["source"] == stick.source
+    best = next(s for s in plan(r) if s.label == "convert-16+8-best")
+    direct = stick.measure(best.model_dir)
+    assert rows["best", "16+8"]["code"]["perplexity"] == direct["code"]["converted_perplexity"]
+    assert (out / "measure" / "conversions.png").stat().st_size > 10_000
+    assert "Rank at each ratio" in (out / "measure" / "report.md").read_text()
+    assert not (out / "eval").exists()  # eval: null
+    run(r, progress=False)
+    assert capsys.readouterr().out.count(": reused") == 12
+
+
+@pytest.mark.slow
+def test_distillation_variants_measured_along_the_way(source_factory, tmp_path, capsys):
+    src = source_factory("llama")
+    r = recipe(src, tmp_path / "r", True, budgets=["16+8"], presets=["best"], variants={},
+               distill_variants={"kd": [{}], "ild-then-kd": ILD_FIRST},
+               measure={"eval_tokens": 512, "seq_len": 128, "every_tokens": 512})
+    out = run(r, progress=False)
+    result = json.loads((out / "measure" / "report.json").read_text())
+    curves = {c["variant"]: c for c in result["curves"]}
+    assert set(curves) == {"kd", "ild-then-kd"}
+    for c in curves.values():
+        assert [p["tokens"] for p in c["points"]] == [0, 512, 1024, 1536]
+        kl = [p["prose"]["kl"] + p["code"]["kl"] for p in c["points"]]
+        assert kl[-1] < kl[0], (c["name"], kl)  # closer to the source: best's linear latent trains
+        assert c["points"][0] == {k: v for k, v in result["conversions"][0].items() if k in c["points"][0]}
+    seconds = [p["seconds"] for p in curves["ild-then-kd"]["points"]]
+    assert seconds == sorted(seconds)  # the second part's time counts on from the first's
+    stages = {s.label: s for s in plan(r)}
+    part1 = stages["distill-16+8-best-source-ild-then-kd-part1of2"]
+    metrics = [json.loads(x) for x in (part1.dir / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(m["loss"] == m["ild"] for m in metrics if "loss" in m)  # ILD alone first
+    # the last point along the way is the final checkpoint's measurement
+    final = json.loads(stages["measure-16+8-best-source-kd"].points_file.read_text())
+    assert curves["kd"]["points"][-1]["code"]["perplexity"] == pytest.approx(
+        final["code"]["converted_perplexity"], rel=1e-6)
+    assert (out / "measure" / "curves.png").stat().st_size > 10_000
+    md = (out / "measure" / "report.md").read_text()
+    tables = [block.splitlines() for block in md.split("\n\n") if block.startswith("|")]
+    assert len(tables) == 2  # the conversions, the distillations
+    for table in tables:  # header, separator and rows agree on the columns
+        assert len({line.count("|") for line in table}) == 1, table[:2]
+    assert "16+8-best-source-ild-then-kd reaches" in md or "16+8-best-source-ild-then-kd does not reach" in md
+
+
+def test_the_levers_recipe_switches_off_each_of_bests_levers():
+    from ecomla.convert.presets import BEST_LEVERS
+    from ecomla.run.recipe import merged
+
+    r = load_recipe(RunRecipe, Path(__file__).resolve().parents[2] / "recipes" / "run" / "best_levers_smollm2.yaml")
+    assert r.presets == ["best", *(f"best-no-{lever}" for lever in BEST_LEVERS)]
+    for lever, off in BEST_LEVERS.items():
+        assert r.variants[f"best-no-{lever}"] == merged({"init": {"preset": "best"}}, off)
