@@ -4,9 +4,11 @@ cycle anywhere in ecomla, and nothing below the command line imports it."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "ecomla"
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "ecomla"
 
 
 def module_imports() -> dict[str, set[str]]:
@@ -110,3 +112,18 @@ def test_every_import_goes_down_a_layer_or_stays():
 def test_the_layer_check_sees_an_import_that_goes_up():
     assert layer_of("ecomla.pytext.tasks") > layer_of("ecomla.eval.runner") > layer_of("ecomla.run.pipeline")
     assert layer_of("ecomla.recipe.command") == 0 and layer_of("ecomla.recipe.schema") == 4
+
+
+def test_scripts_hold_only_entry_points_and_benchmarks():
+    """scripts/: shell entry points and bench_*.py; builders of committed data live in the package (`ecomla
+    build`), experiments are `ecomla run` recipes, and no script imports another or edits sys.path."""
+    scripts = ROOT / "scripts"
+    odd = [p.name for p in scripts.iterdir() if p.is_file() and not (p.suffix == ".sh" or
+                                                                    (p.name.startswith("bench_") and p.suffix == ".py"))]
+    assert odd == []
+    names = {p.stem for p in scripts.glob("*.py")}
+    for path in scripts.glob("*.py"):
+        text = path.read_text()
+        assert "sys.path" not in text, path.name
+        imported = set(re.findall(r"^\s*(?:from|import)\s+(\w+)", text, flags=re.M))
+        assert not imported & names, (path.name, imported & names)
