@@ -97,6 +97,18 @@ def test_recipe_problems(source_factory, tmp_path):
         recipe(src, tmp_path / "r", distill_variants={"kd": [{}]})
 
 
+def test_one_conversion_measured_and_reported(source_factory, tmp_path):
+    """The fast lane's pass through the measure stage, the yardstick and the report."""
+    src = source_factory("llama")
+    out = run(recipe(src, tmp_path / "r", budgets=["16+8"], presets=["xecomla"], variants={}), progress=False)
+    result = json.loads((out / "measure" / "report.json").read_text())
+    (row,) = result["conversions"]
+    assert (row["preset"], row["point"], row["compression"]) == ("xecomla", "16+8", 64 / 24)
+    assert all(row[d]["kl"] > 0 and row[d]["perplexity"] > result["source"][d] * 0.5 for d in ("prose", "code"))
+    assert "| xecomla | 16+8 | 2.67× |" in (out / "measure" / "report.md").read_text()
+    assert (out / "measure" / "conversions.png").is_file() and not (out / "measure" / "curves.png").exists()
+
+
 @pytest.mark.slow
 def test_conversions_side_by_side_then_a_rerun_reuses_them(source_factory, tmp_path, capsys):
     src = source_factory("llama")  # 2 KV heads of 16: 64 cached numbers per token and layer
