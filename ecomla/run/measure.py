@@ -16,27 +16,18 @@ from pathlib import Path
 from ecomla.analyze.yardstick import DOMAINS, Yardstick
 
 
-class Stick:
-    """The yardstick of a run: the base's log-probs on held-out blocks of both pytext domains (and on
-    `measure.other_text` as the domain "other"), computed once."""
-
-    def __init__(self, base: str, settings):
-        texts = {d: f"pytext:heldout:{d}" for d in DOMAINS}
-        if settings.other_text:
-            texts["other"] = settings.other_text
-        self.every_tokens = settings.every_tokens
-        self.yardstick = Yardstick(base, settings.eval_tokens, settings.seq_len, texts)
-
-    def measure_model(self, model) -> dict:
-        return self.yardstick.measure_model(model)
-
-    def measure_all(self, model_dir: Path) -> dict:
-        return self.yardstick.measure(model_dir)
+def yardstick(base: str, settings) -> Yardstick:
+    """The yardstick of a run (`settings`: its `measure` section): the base's log-probs on held-out blocks of both
+    pytext domains, and on `measure.other_text` as the domain "other"."""
+    texts = {d: f"pytext:heldout:{d}" for d in DOMAINS}
+    if settings.other_text:
+        texts["other"] = settings.other_text
+    return Yardstick(base, settings.eval_tokens, settings.seq_len, texts)
 
 
 def point(tokens: int, seconds: float | None, m: dict) -> dict:
-    """One point of a curve: tokens seen, training seconds (measurements excluded; None where not timed) and, per domain, perplexity,
-    KL(base‖student) and top-1 agreement."""
+    """One point of a curve: tokens seen, training seconds (measurements excluded; None where not timed) and,
+    per domain, perplexity, KL(base‖student) and top-1 agreement."""
     row = {"tokens": tokens, "seconds": None if seconds is None else round(seconds, 1)}
     for d, v in m.items():
         row[d] = {"perplexity": v["converted_perplexity"], "kl": v["kl_source_to_converted"],

@@ -114,6 +114,11 @@ def _cache_inputs(sub) -> dict:
             "teacher": teacher, "temperature": d["loss"]["temperature"]}
 
 
+def _convert_section(recipe: RunRecipe, ratio: float | None) -> str:
+    """Where a conversion's keys come from, for error messages: `convert`, or `convert (at RATIOx)`."""
+    return "convert" if ratio not in recipe.convert_by_ratio else f"convert (at {ratio}x)"
+
+
 def part_tokens(shares: list[float], total: int, batch: int) -> list[int]:
     """Each part's tokens in whole optimizer steps, summing to `total` (the last part takes the rest)."""
     steps = total // batch
@@ -130,7 +135,7 @@ def _convert_stages(recipe: RunRecipe, out: Path, base_fp: str) -> list[Stage]:
     for point, fills_mla, ratio in recipe.points:
         for preset in recipe.presets:
             label = f"convert-{point}-{preset}"
-            section = "convert" if ratio not in recipe.convert_by_ratio else f"convert (at {ratio}x)"
+            section = _convert_section(recipe, ratio)
             if preset in recipe.variants:
                 section = f"{section} with variants.{preset}"
             fills = {"model": recipe.base, "output_dir": "", "mla": fills_mla}
@@ -175,18 +180,15 @@ def plan(recipe: RunRecipe) -> list[Stage]:
         for preset in recipe.presets:
             for teacher in recipe.teachers_for(preset):
                 for variant, parts in recipe.variant_parts.items():
-                    src = converted[point, preset]
+                    src = conversion = converted[point, preset]
                     cache = caches.get(teacher)
                     teacher_keys = {"model": recipe.teachers[teacher]}
                     if cache is not None:
                         teacher_keys["cache_dir"] = str(cache.model_dir)
                     whole = _sub_recipe(DistillRecipe, "distill", recipe.distill,
                                         {"student": "x", "teacher": teacher_keys, "output_dir": ""})
-                    batch = whole.train.global_batch_tokens
-                    if along and recipe.measure.every_tokens % batch:
-                        raise RecipeError([f"measure.every_tokens: {recipe.measure.every_tokens} is not a whole "
-                                           f"number of distill.train.global_batch_tokens ({batch})"])
-                    tokens = part_tokens([p.share for p in parts], whole.train.total_tokens, batch)
+                    tokens = part_tokens([p.share for p in parts], whole.train.total_tokens,
+                                         whole.train.global_batch_tokens)
                     done = 0
                     for i, (part, n) in enumerate(zip(parts, tokens)):
                         label = f"distill-{point}-{preset}-{teacher}" + (f"-{variant}" if variant else "")
@@ -197,11 +199,14 @@ def plan(recipe: RunRecipe) -> list[Stage]:
                         if len(parts) > 1:
                             fills["train"] = {"total_tokens": n}
                         sub = _sub_recipe(DistillRecipe, section, merged(recipe.distill, part.keys), fills)
-                        if src.kind == "convert" and src.recipe.mla.latent_norm == "linear" \
-                                and sub.train.mode == "lora":
-                            where = "convert" if ratio not in recipe.convert_by_ratio else f"convert (at {ratio}x)"
-                            raise RecipeError([f"{where}.mla.latent_norm: {src.label} is distilled with LoRA, "
-                                               "but " + LINEAR_LATENT_LORA])
+                        # every part trains the conversion's latent, so every part is checked against it
+                        if conversion.recipe.mla.latent_norm == "linear" and sub.train.mode == "lora":
+                            raise RecipeError([f"{_convert_section(recipe, ratio)}.mla.latent_norm: "
+                                               f"{conversion.label} is distilled with LoRA, but " + LINEAR_LATENT_LORA])
+                        batch = sub.train.global_batch_tokens  # the part's own, which its keys may change
+                        if along and recipe.measure.every_tokens % batch:
+                            raise RecipeError([f"measure.every_tokens: {recipe.measure.every_tokens} is not a whole "
+                                               f"number of {section}.train.global_batch_tokens ({batch})"])
                         as_dict = recipe_to_dict(sub)
                         as_dict.pop("student")
                         as_dict["teacher"].pop("cache_dir")  # a path under output_dir; the cache's key stands for it
@@ -213,7 +218,8 @@ def plan(recipe: RunRecipe) -> list[Stage]:
                         stage = Stage("distill", label, sub, key, out / f"{label}-{key}",
                                       {"point": point, "ratio": ratio, "preset": preset, "teacher": teacher,
                                        "variant": variant, "part": i, "parts": len(parts), "offset": done,
-                                       "tokens": n, "last": i == len(parts) - 1, "after": src.label})
+                                       "tokens": n, "last": i == len(parts) - 1, "after": src.label,
+                                       "every": recipe.measure.every_tokens if along else 0})
                         sub.output_dir = str(stage.dir / "run")
                         stages.append(stage)
                         src, done = stage, done + n
@@ -228,7 +234,8 @@ def plan(recipe: RunRecipe) -> list[Stage]:
 
 
 def _distill(stage: Stage, progress: bool, stick) -> None:
-    """One distillation stage; with a yardstick, the student is measured every `every_tokens` and at the end."""
+    """One distillation stage; with a yardstick, the student is measured every `measure.every_tokens` (the stage's
+    info["every"]) and at the end."""
     from ecomla.distill.trainer import DistillRun
     from ecomla.run import measure
 
@@ -237,7 +244,7 @@ def _distill(stage: Stage, progress: bool, stick) -> None:
 
         distill(stage.recipe, force=False, progress=progress)  # resumes from run/checkpoints/latest if interrupted
         return
-    batch, offset, every = stage.recipe.train.global_batch_tokens, stage.info["offset"], stick.every_tokens
+    batch, offset, every = stage.recipe.train.global_batch_tokens, stage.info["offset"], stage.info["every"]
     total = stage.recipe.train.total_tokens // batch
     kept = json.loads(stage.points_file.read_text()) if stage.points_file.is_file() else []
     t0, measuring = time.time(), [0.0]
@@ -274,7 +281,7 @@ def _run_stage(stage: Stage, progress: bool, stick) -> None:
         from ecomla.io.publish import publish
 
         tmp = stage.points_file.with_name(".result.json.tmp")
-        tmp.write_text(json.dumps(stick.measure_all(stage.model_dir), indent=1) + "\n")
+        tmp.write_text(json.dumps(stick.measure(stage.model_dir), indent=1) + "\n")
         publish(tmp, stage.points_file)
 
 
@@ -347,9 +354,9 @@ def run(recipe: RunRecipe, *, force: bool = False, progress: bool = True) -> Pat
             continue
         say(f"{what}: running -> {stage.dir}")
         if stick is None and is_main and (stage.kind == "measure" or along and stage.kind == "distill"):
-            from ecomla.run.measure import Stick
+            from ecomla.run.measure import yardstick
 
-            stick = Stick(recipe.base, recipe.measure)
+            stick = yardstick(recipe.base, recipe.measure)
         t0 = time.time()
         if is_main or stage.kind in ("distill", "teacher-cache"):
             _run_stage(stage, progress and is_main, stick if stage.kind == "measure" or along else None)

@@ -93,6 +93,15 @@ def test_recipe_problems(source_factory, tmp_path):
         recipe(src, tmp_path / "r", convert={"mla": {"qk_rope_head_dim": 8}})
     with pytest.raises(RecipeError, match=r"measure.every_tokens: 300 is not a whole number of .*\(256\)"):
         plan(recipe(src, tmp_path / "r", True, measure={"every_tokens": 300}))
+    # a variant's own batch is the one the measurements must fall on
+    with pytest.raises(RecipeError, match=r"every_tokens: 256 is not a whole number of "
+                                          r"distill_variants\.b\[0\]\.keys\.train\.global_batch_tokens \(512\)"):
+        plan(recipe(src, tmp_path / "r", True, presets=["best"], measure={"every_tokens": 256}, distill_variants={
+            "b": [{"keys": {"train": {"global_batch_tokens": 512, "micro_batch_size": 2}}}]}))
+    # a linear latent is refused under LoRA in any part of a variant, not only in the first
+    with pytest.raises(RecipeError, match=r"convert\.mla\.latent_norm: convert-16\+8-best is distilled with LoRA"):
+        plan(recipe(src, tmp_path / "r", True, budgets=["16+8"], presets=["best"], distill_variants={
+            "then-lora": [{"share": 0.5}, {"share": 0.5, "keys": {"train": {"mode": "lora"}}}]}))
     with pytest.raises(RecipeError, match="distill_teachers and distill_variants need a distill section"):
         recipe(src, tmp_path / "r", distill_variants={"kd": [{}]})
 
