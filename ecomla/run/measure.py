@@ -64,7 +64,8 @@ def projected_tokens(points: list[dict], domain: str, target: float, src: float)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
     if slope >= 0:
         return None
-    return math.exp(mx + (math.log(target - src) - my) / slope)
+    log_tokens = mx + (math.log(target - src) - my) / slope
+    return math.exp(log_tokens) if log_tokens < 700 else math.inf  # a flat curve: no float holds the answer
 
 
 def _read(path: Path) -> dict | list:
@@ -148,9 +149,13 @@ def efficiency(curves: list[dict], domains) -> list[str]:
                 target = final[d]["perplexity"]
                 need = tokens_to_reach(c["points"], d, target)
                 goal = f"{base['name']}'s final perplexity {target:,.2f} (after {final['tokens']:,} tokens)"
-                lines.append(f"- {d}: {c['name']} does not reach {goal} within the run" if need is None else
-                             f"- {d}: {c['name']} reaches {goal} with {need:,.0f} tokens = "
-                             f"{need / final['tokens']:.0%} of them")
+                if need is None:
+                    lines.append(f"- {d}: {c['name']} does not reach {goal} within the run")
+                elif need == 0:  # the baseline's training made this domain worse than the start
+                    lines.append(f"- {d}: {c['name']} starts at or below {goal}")
+                else:
+                    lines.append(f"- {d}: {c['name']} reaches {goal} with {need:,.0f} tokens = "
+                                 f"{need / final['tokens']:.0%} of them")
     return lines
 
 
@@ -165,8 +170,9 @@ def projections(curves: list[dict], source: dict, domains) -> list[str]:
                 need = projected_tokens(c["points"], d, target, source[d])
                 how = ("not reached; a power law through the curve projects" if need is not None
                        else "not reached, and the last points do not fall")
-            lines.append(f"- {c['name']}, {d}: 1.2x the source ({target:.2f}) {how}"
-                         + (f" {need:,.0f} tokens" if need is not None else ""))
+            # past 10^12 tokens a projection says only that this curve will not get there
+            amount = "" if need is None else f" {need:,.0f} tokens" if need < 1e12 else " more than 10^12 tokens"
+            lines.append(f"- {c['name']}, {d}: 1.2x the source ({target:.2f}) {how}{amount}")
     return lines
 
 

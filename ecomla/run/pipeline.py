@@ -87,11 +87,16 @@ def _sub_recipe(cls: type, section: str, body: dict, fills: dict[str, Any]):
         raise RecipeError([f"{section}.{p}" for p in err.problems], err.source) from None
 
 
-def _data_fingerprints(distill) -> list[str]:
+def _data_fingerprints(distill, seen: dict[str, str]) -> list[str]:
+    """The fingerprints of a distillation's data files; `seen` keeps each file's, so it is read once per run
+    (a variant may train on other data than the rest)."""
     out = []
     for src in (distill.data.train, distill.data.eval):
         if src is not None:
-            out.append(path_fingerprint(src.prepared or src.dataset))
+            path = src.prepared or src.dataset
+            if path not in seen:
+                seen[path] = path_fingerprint(path)
+            out.append(seen[path])
     return out
 
 
@@ -160,7 +165,7 @@ def plan(recipe: RunRecipe) -> list[Stage]:
     converted = {(s.info["point"], s.info["preset"]): s for s in stages}
     # Each teacher's files and the training data are fingerprinted once, not once per stage that uses them.
     teacher_fp = {t: path_fingerprint(recipe.teachers[t]) for t in recipe.used_teachers}
-    data_fp: list[str] | None = None
+    data_fps: dict[str, str] = {}
     caches: dict[str, Stage] = {}
     along = recipe.measure is not None and recipe.measure.every_tokens > 0
     if recipe.distill is not None and _teacher_source(recipe.distill) == "cache":
@@ -169,8 +174,8 @@ def plan(recipe: RunRecipe) -> list[Stage]:
             fills = {"student": recipe.base, "teacher": {"model": recipe.teachers[teacher], "cache_dir": "x"},
                      "output_dir": ""}
             sub = _sub_recipe(DistillRecipe, "distill", recipe.distill, fills)
-            data_fp = data_fp or _data_fingerprints(sub)
-            key = digest("teacher-cache", _cache_inputs(sub), base_fp, teacher_fp[teacher], data_fp)
+            key = digest("teacher-cache", _cache_inputs(sub), base_fp, teacher_fp[teacher],
+                         _data_fingerprints(sub, data_fps))
             stage = Stage("teacher-cache", label, sub, key, out / f"{label}-{key}", {"teacher": teacher})
             sub.teacher.cache_dir, sub.output_dir = str(stage.model_dir), str(stage.dir)
             stages.append(stage)
@@ -185,7 +190,9 @@ def plan(recipe: RunRecipe) -> list[Stage]:
                     teacher_keys = {"model": recipe.teachers[teacher]}
                     if cache is not None:
                         teacher_keys["cache_dir"] = str(cache.model_dir)
-                    whole = _sub_recipe(DistillRecipe, "distill", recipe.distill,
+                    # a one-part variant's keys may set its own total_tokens (and batch); parts share distill's
+                    body = merged(recipe.distill, parts[0].keys) if len(parts) == 1 else recipe.distill
+                    whole = _sub_recipe(DistillRecipe, "distill", body,
                                         {"student": "x", "teacher": teacher_keys, "output_dir": ""})
                     tokens = part_tokens([p.share for p in parts], whole.train.total_tokens,
                                          whole.train.global_batch_tokens)
@@ -210,11 +217,11 @@ def plan(recipe: RunRecipe) -> list[Stage]:
                         as_dict = recipe_to_dict(sub)
                         as_dict.pop("student")
                         as_dict["teacher"].pop("cache_dir")  # a path under output_dir; the cache's key stands for it
-                        data_fp = data_fp or _data_fingerprints(sub)
                         # measured along the way: the points are an output, so their settings and offset are inputs
                         extra = [recipe_to_dict(recipe.measure), done] if along else []
-                        key = digest("distill", as_dict, src.key, teacher_fp[teacher], data_fp,
-                                     cache.key if cache is not None else None, *extra)
+                        key = digest("distill", as_dict, src.key, teacher_fp[teacher],
+                                     _data_fingerprints(sub, data_fps), cache.key if cache is not None else None,
+                                     *extra)
                         stage = Stage("distill", label, sub, key, out / f"{label}-{key}",
                                       {"point": point, "ratio": ratio, "preset": preset, "teacher": teacher,
                                        "variant": variant, "part": i, "parts": len(parts), "offset": done,

@@ -55,7 +55,8 @@ class DistillPart:
     share: float = knob(1.0, help="Share of distill.train.total_tokens this part trains on (whole optimizer "
                         "steps; the last part takes the rest). The shares of a variant sum to 1")
     keys: dict[str, Any] = knob(default_factory=dict, help="`ecomla distill` keys merged over `distill` for this "
-                                "part, e.g. {loss: {kd_weight: 0.0, ild_weight: 1.0}} for an ILD-only first part")
+                                "part, e.g. {loss: {kd_weight: 0.0, ild_weight: 1.0}} for an ILD-only first part. "
+                                "A one-part variant may set train.total_tokens: its own budget, with its own schedule")
 
 
 @dataclass
@@ -214,7 +215,11 @@ class RunRecipe:
                 problems.append(f"{where}: each share in (0, 1], summing to 1; got {[p.share for p in parts]}")
             for i, part in enumerate(parts):
                 problems += [f"{where}[{i}].keys.{key}: set by `ecomla run` for each stage; remove it"
-                             for key in (*FILLED["distill"], "train.total_tokens") if has_key(part.keys, key)]
+                             for key in FILLED["distill"] if has_key(part.keys, key)]
+                if len(parts) > 1 and has_key(part.keys, "train.total_tokens"):
+                    problems.append(f"{where}[{i}].keys.train.total_tokens: a part of several trains on its share "
+                                    "of distill.train.total_tokens; set the share (a one-part variant may set its "
+                                    "own total_tokens)")
         return problems
 
     @property

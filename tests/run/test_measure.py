@@ -73,6 +73,13 @@ def test_the_plan_of_budgets_variants_and_parts(source_factory, tmp_path):
                                                  distill_variants={"kd": [{}], "ild-then-kd": ILD_FIRST},
                                                  measure={"eval_tokens": 512, "seq_len": 128, "every_tokens": 512}))}
     assert all((along[k] == s.key) == (s.kind == "convert") for k, s in by.items() if s.kind != "measure")
+    # a one-part variant may take its own budget, with its own schedule, beside the run's
+    own = {s.label: s for s in plan(recipe(src, tmp_path / "r", True, budgets=["16+8"], presets=["best"],
+                                           distill_variants={"kd": [{}], "short": [{"keys": {"train": {
+                                               "total_tokens": 512}}}]}))}
+    short = own["distill-16+8-best-source-short"]
+    assert (short.recipe.train.total_tokens, short.info["tokens"]) == (512, 512)
+    assert own["distill-16+8-best-source-kd"].info["tokens"] == 256 * 6
     assert part_tokens([0.25, 0.75], 40960, 2048) == [10240, 30720]
     assert part_tokens([0.5, 0.5], 768, 256) == [512, 256]  # 1.5 steps round to 2; the last part takes the rest
 
@@ -82,12 +89,13 @@ def test_recipe_problems(source_factory, tmp_path):
     with pytest.raises(RecipeError) as err:
         recipe(src, tmp_path / "r", True, inits=["svd"], ratios=[2.0], presets=["xecomla", "nope"],
                variants={"best": {}, "odd name": {}},
-               distill_variants={"a": [{"share": 0.5}], "b": [{"keys": {"train": {"total_tokens": 9}}}]})
+               distill_variants={"a": [{"share": 0.5}], "b": [{"share": 0.5, "keys": {"train": {"total_tokens": 9}}},
+                                                   {"share": 0.5}]})
     text = str(err.value)
     for expected in ("inits: replaced by presets", "give ratios or budgets", "'nope' is neither a preset",
                      "variants.best: 'best' is also a preset name", "variants.odd name: a name of letters",
 "distill_variants.a: each share",
-                     "distill_variants.b[0].keys.train.total_tokens: set by `ecomla run`"):
+                     "distill_variants.b[0].keys.train.total_tokens: a part of several trains on its share"):
         assert expected in text, (expected, text)
     with pytest.raises(RecipeError, match=r"convert\.mla\.qk_rope_head_dim: set by `ecomla run`"):
         recipe(src, tmp_path / "r", convert={"mla": {"qk_rope_head_dim": 8}})
@@ -187,3 +195,25 @@ def test_the_levers_recipe_switches_off_each_of_bests_levers():
     assert r.presets == ["best", *(f"best-no-{lever}" for lever in BEST_LEVERS)]
     for lever, off in BEST_LEVERS.items():
         assert r.variants[f"best-no-{lever}"] == merged({"init": {"preset": "best"}}, off)
+
+
+def test_efficiency_and_projection_lines():
+    from ecomla.run.measure import efficiency, projections
+
+    def curve(name, ppls):
+        return {"name": name, "point": "4+2", "points": [{"tokens": t, "prose": {"perplexity": p}}
+                                                         for t, p in zip((0, 100, 200), ppls)]}
+
+    base, faster = curve("base", [30.0, 20.0, 10.0]), curve("faster", [30.0, 10.0, 5.0])
+    below, slower = curve("below", [8.0, 9.0, 9.5]), curve("slower", [30.0, 25.0, 22.0])
+    lines = efficiency([base, faster, below, slower], ["prose"])
+    assert lines == ["- prose: faster reaches base's final perplexity 10.00 (after 200 tokens) with 100 tokens = 50% "
+                     "of them",
+                     "- prose: below starts at or below base's final perplexity 10.00 (after 200 tokens)",
+                     "- prose: slower does not reach base's final perplexity 10.00 (after 200 tokens) within the run"]
+    crawl = curve("crawl", [30.0, 20.0, 19.999])  # the excess falls so slowly that no budget gets there
+    lines = projections([faster, crawl, below], {"prose": 4.5}, ["prose"])
+    assert lines[0] == "- faster, prose: 1.2x the source (5.40) reached at 189 tokens"  # log-linear
+    assert lines[1] == "- crawl, prose: 1.2x the source (5.40) not reached; a power law through the curve projects " \
+                       "more than 10^12 tokens"
+    assert lines[2] == "- below, prose: 1.2x the source (5.40) not reached, and the last points do not fall"
