@@ -12,6 +12,7 @@ Reads <RUN_DIR>/results/*.json (written by `ecomla eval`), in the order of
 from __future__ import annotations
 
 import json
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -30,12 +31,19 @@ def load_results(run_dir: Path) -> list[dict]:
         raise ReportError(f"{run_dir}/results has no result files; run `ecomla eval` first")
     results = {p.stem: json.loads(p.read_text()) for p in files}
     order_file = run_dir / "eval_recipe.yaml"
-    if order_file.is_file():
-        order = [m["name"] for m in (yaml.safe_load(order_file.read_text()) or {}).get("models", [])]
-        names = [n for n in order if n in results] + sorted(n for n in results if n not in order)
-    else:
-        names = sorted(results)
-    return [results[n] for n in names]
+    if not order_file.is_file():
+        return [results[n] for n in sorted(results)]
+    # the recipe's models, in its order: a result whose model has left the recipe (a renamed stage, a dropped
+    # model) is kept on disk but not reported as if it belonged to this run
+    order = [m["name"] for m in (yaml.safe_load(order_file.read_text()) or {}).get("models", [])]
+    stale = sorted(n for n in results if n not in order)
+    if stale:
+        print(f"report: {len(stale)} saved result(s) of models not in {order_file.name} left out: "
+              f"{', '.join(stale)}", file=sys.stderr)
+    kept = [results[n] for n in order if n in results]
+    if not kept:
+        raise ReportError(f"{run_dir}/results holds no result of a model in {order_file.name}; run `ecomla eval`")
+    return kept
 
 
 def _pct(x: float | None) -> str:

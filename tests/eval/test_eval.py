@@ -180,6 +180,19 @@ def saved_run(tmp_path: Path) -> Path:
     return run
 
 
+def test_the_report_leaves_out_results_of_models_no_longer_in_the_recipe(tmp_path, capsys):
+    run = saved_run(tmp_path)
+    stale = fake_result("6.4x-old-name", "student", 6.4, [0.1, 0.1, 0.1], init="svd", teacher="teacher-8x")
+    (run / "results" / "6.4x-old-name.json").write_text(json.dumps(stale))
+    summary = write_report(run)
+    assert "6.4x-old-name" not in (run / "report.md").read_text()
+    assert [m["name"] for m in summary["models"]].count("6.4x-old-name") == 0
+    assert "1 saved result(s) of models not in eval_recipe.yaml left out: 6.4x-old-name" in capsys.readouterr().err
+    (run / "eval_recipe.yaml").write_text(yaml.safe_dump({"models": [{"name": "another"}]}))
+    with pytest.raises(ReportError, match="holds no result of a model in eval_recipe.yaml"):
+        write_report(run)
+
+
 def test_report_rebuilds_table_and_chart_from_saved_results(tmp_path):
     run = saved_run(tmp_path)
     summary = write_report(run)
