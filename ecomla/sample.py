@@ -20,6 +20,8 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import yaml
+
 from ecomla.errors import UserError
 
 
@@ -143,6 +145,6 @@ def sample_text(spec: SampleSpec, *, force: bool = False, progress: bool = True)
         bar.close()
     publish(tmp, out)
     # what wrote it, beside it (a .yaml, which no dataset reader takes for data)
-    out.with_name(f"{out.stem}.sample.yaml").write_text(
-        "".join(f"{k}: {json.dumps(v)}\n" for k, v in asdict(spec).items()) + f"rows: {row}\ntokens_written: {written}\n")
+    record = {**asdict(spec), "rows": row, "tokens_written": written}
+    out.with_name(f"{out.stem}.sample.yaml").write_text(yaml.safe_dump(record, sort_keys=False))
     return out
