@@ -18,6 +18,7 @@ from tests.tiny import make_source
 
 BIN = Path(sys.executable).parent
 ROOT = Path(__file__).resolve().parents[2]
+SHM, SHM_BUFFERS = Path("/dev/shm"), "deepspeed_allreduce_buffer_*"
 
 
 def build_world(root: Path, tokenizer_dir: Path, corpus_dir: Path) -> dict:
@@ -95,7 +96,10 @@ def errors(proc: subprocess.CompletedProcess) -> str:
 def run_and_kill(recipe_path: Path, procs: int, metrics: Path, after_steps: int, timeout: int = 600,
                  cmd: list[str] | None = None) -> None:
     """Start a run (`ecomla distill`, or `cmd`) and SIGKILL its whole process tree once `metrics` has
-    `after_steps` lines."""
+    `after_steps` lines. Then remove the shared-memory buffers the killed processes left in /dev/shm (DeepSpeed's
+    CPU all-reduce allocates about 70 MB there per rank and only a clean exit frees it; the suite runs serially,
+    so every buffer that appeared during the run is the killed run's)."""
+    shm_before = set(SHM.glob(SHM_BUFFERS))
     proc = subprocess.Popen(cmd or command(recipe_path, procs), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             env=env(), start_new_session=True)
     deadline = time.time() + timeout
@@ -122,6 +126,8 @@ def run_and_kill(recipe_path: Path, procs: int, metrics: Path, after_steps: int,
                 p.send_signal(signal.SIGKILL)
         proc.wait()
         psutil.wait_procs(tree, timeout=30)
+        for leftover in set(SHM.glob(SHM_BUFFERS)) - shm_before:
+            leftover.unlink(missing_ok=True)
 
 
 def metrics(out: Path) -> list[dict]:
