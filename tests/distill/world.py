@@ -97,7 +97,7 @@ def run_and_kill(recipe_path: Path, procs: int, metrics: Path, after_steps: int,
                  cmd: list[str] | None = None) -> None:
     """Start a run (`ecomla distill`, or `cmd`) and SIGKILL its whole process tree once `metrics` has
     `after_steps` lines. Then remove the shared-memory buffers the killed processes left in /dev/shm (DeepSpeed's
-    CPU all-reduce allocates about 70 MB there per rank and only a clean exit frees it; the suite runs serially,
+    CPU all-reduce allocates about 70 MB there per rank and a killed run leaves it behind; the suite runs serially,
     so every buffer that appeared during the run is the killed run's)."""
     shm_before = set(SHM.glob(SHM_BUFFERS))
     proc = subprocess.Popen(cmd or command(recipe_path, procs), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
