@@ -7,9 +7,11 @@ the same code path (DeepSpeed on gloo or NCCL) serves every launch.
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -67,7 +69,21 @@ def init_distributed() -> Dist:
             if not solo or "EADDRINUSE" not in str(err) or attempt == 4:
                 raise
             os.environ["MASTER_PORT"] = str(_free_port())
-    return Dist(torch.distributed.get_rank(), torch.distributed.get_world_size(), local_rank, device)
+    rank = torch.distributed.get_rank()
+    if device.type == "cpu":
+        atexit.register(shm_buffer(rank).unlink, missing_ok=True)
+    return Dist(rank, torch.distributed.get_world_size(), local_rank, device)
+
+
+def shm_buffer(rank: int) -> Path:
+    """The shared-memory file DeepSpeed's CPU all-reduce creates for this rank (about 70 MB of RAM in /dev/shm)
+    when all ranks are on one machine and its launcher said so (LOCAL_SIZE = WORLD_SIZE), named by user,
+    rendezvous address and port, and rank. DeepSpeed never unlinks it, so every such CPU run would leave it behind
+    until reboot; `init_distributed` removes it at exit (a SIGKILLed process cannot, see docs/distill.md).
+    Unlinking only drops the name: the other ranks keep their mappings until they exit. DeepSpeed reads the two
+    variables as empty when they are unset, and so does this."""
+    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    return Path("/dev/shm") / f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}"
 
 
 def shutdown() -> None:
