@@ -7,7 +7,6 @@ the same code path (DeepSpeed on gloo or NCCL) serves every launch.
 
 from __future__ import annotations
 
-import atexit
 import os
 import socket
 from dataclasses import dataclass
@@ -59,6 +58,7 @@ def init_distributed() -> Dist:
     else:
         device = torch.device("cpu")
         backend = "gloo"
+    fresh = not torch.distributed.is_initialized()
     for attempt in range(5):
         if torch.distributed.is_initialized():
             break
@@ -70,8 +70,12 @@ def init_distributed() -> Dist:
                 raise
             os.environ["MASTER_PORT"] = str(_free_port())
     rank = torch.distributed.get_rank()
-    if device.type == "cpu":
-        atexit.register(shm_buffer(rank).unlink, missing_ok=True)
+    if fresh and device.type == "cpu":
+        # Every rank has mapped every rank's all-reduce buffer once all have passed this barrier (DeepSpeed maps
+        # them while it starts the process group, and never opens them by name again): drop this rank's name now,
+        # so that no exit, clean, SIGTERMed or SIGKILLed, leaves the file behind.
+        torch.distributed.barrier()
+        shm_buffer(rank).unlink(missing_ok=True)
     return Dist(rank, torch.distributed.get_world_size(), local_rank, device)
 
 
@@ -79,9 +83,9 @@ def shm_buffer(rank: int) -> Path:
     """The shared-memory file DeepSpeed's CPU all-reduce creates for this rank (about 70 MB of RAM in /dev/shm)
     when all ranks are on one machine and its launcher said so (LOCAL_SIZE = WORLD_SIZE), named by user,
     rendezvous address and port, and rank. DeepSpeed never unlinks it, so every such CPU run would leave it behind
-    until reboot; `init_distributed` removes it at exit (a SIGKILLed process cannot, see docs/distill.md).
-    Unlinking only drops the name: the other ranks keep their mappings until they exit. DeepSpeed reads the two
-    variables as empty when they are unset, and so does this."""
+    until reboot; `init_distributed` unlinks it once every rank has mapped it. Unlinking only drops the name: the
+    memory stays mapped until the ranks exit. DeepSpeed reads the two variables as empty when they are unset, and
+    so does this."""
     addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
     return Path("/dev/shm") / f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}"
 

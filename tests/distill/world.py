@@ -96,9 +96,10 @@ def errors(proc: subprocess.CompletedProcess) -> str:
 def run_and_kill(recipe_path: Path, procs: int, metrics: Path, after_steps: int, timeout: int = 600,
                  cmd: list[str] | None = None) -> None:
     """Start a run (`ecomla distill`, or `cmd`) and SIGKILL its whole process tree once `metrics` has
-    `after_steps` lines. Then remove the shared-memory buffers the killed processes left in /dev/shm (DeepSpeed's
-    CPU all-reduce allocates about 70 MB there per rank and a killed run leaves it behind; the suite runs serially,
-    so every buffer that appeared during the run is the killed run's)."""
+    `after_steps` lines. Then remove any shared-memory buffer the killed processes left in /dev/shm (DeepSpeed's
+    CPU all-reduce allocates about 70 MB there per rank; ecomla unlinks it once the process group has started, so
+    only a kill during start-up leaves one; the suite runs serially, so every buffer that appeared during the run
+    is the killed run's)."""
     shm_before = set(SHM.glob(SHM_BUFFERS))
     proc = subprocess.Popen(cmd or command(recipe_path, procs), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             env=env(), start_new_session=True)
