@@ -49,14 +49,11 @@ def test_two_processes_zero(world, tmp_path, stage, launcher, latent_norm):
     r = w.recipe(world, out, deepspeed={"zero_stage": stage, "config": config}, train={"micro_batch_size": 1})
     if latent_norm == "linear":
         r["student"] = str(_linear_student(world, world["root"] / "linear"))
-    shm_before = set(w.SHM.glob(w.SHM_BUFFERS))
-    proc = w.run(w.write_recipe(tmp_path / "r.yaml", r), procs=2, launcher=launcher)
+    with w.shm_leftovers() as left:
+        proc = w.run(w.write_recipe(tmp_path / "r.yaml", r), procs=2, launcher=launcher)
     assert proc.returncode == 0, w.errors(proc)
     # DeepSpeed's launcher makes its CPU all-reduce keep a buffer per rank in /dev/shm; each rank removed its own
     # (torchrun sets no LOCAL_SIZE, so DeepSpeed makes none there and this holds trivially)
-    left = set(w.SHM.glob(w.SHM_BUFFERS)) - shm_before
-    for path in left:
-        path.unlink(missing_ok=True)
     assert not left, left
     ok, losses = _falls(w.metrics(out))
     assert ok, losses

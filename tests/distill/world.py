@@ -21,6 +21,20 @@ ROOT = Path(__file__).resolve().parents[2]
 SHM, SHM_BUFFERS = Path("/dev/shm"), "deepspeed_allreduce_buffer_*"
 
 
+@contextlib.contextmanager
+def shm_leftovers():
+    """Around a run: yields a list that, after the block, holds the DeepSpeed all-reduce buffers (about 70 MB of
+    RAM per rank in /dev/shm) that appeared during it, each already removed. The suite runs serially, so every
+    buffer that appears during the block is the run's."""
+    before, left = set(SHM.glob(SHM_BUFFERS)), []
+    try:
+        yield left
+    finally:
+        left.extend(sorted(set(SHM.glob(SHM_BUFFERS)) - before))
+        for path in left:
+            path.unlink(missing_ok=True)
+
+
 def build_world(root: Path, tokenizer_dir: Path, corpus_dir: Path) -> dict:
     """student (stock DeepSeek-V3 MLA), teacher (Llama, 1.5x wider, 3 layers), and paths."""
     from tests.convert.helpers import convert
@@ -96,11 +110,14 @@ def errors(proc: subprocess.CompletedProcess) -> str:
 def run_and_kill(recipe_path: Path, procs: int, metrics: Path, after_steps: int, timeout: int = 600,
                  cmd: list[str] | None = None) -> None:
     """Start a run (`ecomla distill`, or `cmd`) and SIGKILL its whole process tree once `metrics` has
-    `after_steps` lines. Then remove any shared-memory buffer the killed processes left in /dev/shm (DeepSpeed's
-    CPU all-reduce allocates about 70 MB there per rank; ecomla unlinks it once the process group has started, so
-    only a kill during start-up leaves one; the suite runs serially, so every buffer that appeared during the run
-    is the killed run's)."""
-    shm_before = set(SHM.glob(SHM_BUFFERS))
+    `after_steps` lines. Any DeepSpeed all-reduce buffer the killed processes left in /dev/shm is removed (ecomla
+    unlinks its own once the process group has started, so only a kill during start-up leaves one)."""
+    with shm_leftovers():
+        _run_and_kill(recipe_path, procs, metrics, after_steps, timeout, cmd)
+
+
+def _run_and_kill(recipe_path: Path, procs: int, metrics: Path, after_steps: int, timeout: int,
+                  cmd: list[str] | None) -> None:
     proc = subprocess.Popen(cmd or command(recipe_path, procs), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             env=env(), start_new_session=True)
     deadline = time.time() + timeout
@@ -127,8 +144,6 @@ def run_and_kill(recipe_path: Path, procs: int, metrics: Path, after_steps: int,
                 p.send_signal(signal.SIGKILL)
         proc.wait()
         psutil.wait_procs(tree, timeout=30)
-        for leftover in set(SHM.glob(SHM_BUFFERS)) - shm_before:
-            leftover.unlink(missing_ok=True)
 
 
 def metrics(out: Path) -> list[dict]:
