@@ -103,9 +103,15 @@ class MLATransform:
         src_layer = self.runner.build(i, t) if (self.h_fit is not None or self.h_src is not None) else None
         entry = {"layer": i, "kv_lora_rank": plan.layers[i].kv_lora_rank,
                  "kv_weight_energy_kept": res.kv_basis.energy_kept, "rope_key_energy_kept": res.rope.energy_kept}
+        last = i + 1 == plan.shape.num_layers
+        # The source walk on the calibration blocks: the next layer's inputs and, to refit, the attention output
+        # that the same pass computes on the way (the target of `refit_values`).
+        next_fit = wanted = None
+        if self.h_fit is not None and (self.refit or not last):
+            next_fit, wanted = self.runner.run_with_attention(src_layer, self.h_fit, self.batch, self.refit)
         if self.refit:
-            out, refit_entry = refit_values(geo, i, out, self.runner, src_layer, self.refit_runner, self.h_fit,
-                                            self.h_fit_cvt, plan.recipe.init.refit_ridge, self.batch)
+            out, refit_entry = refit_values(geo, i, out, self.refit_runner, self.h_fit, self.h_fit_cvt, wanted,
+                                            plan.recipe.init.refit_ridge, self.batch)
             entry.update(refit_entry)  # the held-out K/V errors below stay those of the latent fit (res.tensors)
         out = {k: v.to(plan.out_dtype) for k, v in out.items()}
         if res.q_basis is not None:
@@ -122,14 +128,12 @@ class MLATransform:
             k_err, v_err = kv_errors(geo, split, src, res.tensors, y_held, res.rope.head_scale, res.rope.residual)
             entry.update(heldout_key_rel_error=k_err, heldout_value_rel_error=v_err)
             self.h_cvt = self.cvt_runner.run(converted, self.h_cvt, self.batch)
-        last = i + 1 == plan.shape.num_layers
         if self.refit and not last:
             self.h_fit_cvt = self.cvt_runner.run(converted, self.h_fit_cvt, self.batch)
-        if src_layer is not None:
-            if self.h_fit is not None and not last:
-                self.h_fit = self.runner.run(src_layer, self.h_fit, self.batch)
-            if self.h_src is not None:
-                self.h_src = self.runner.run(src_layer, self.h_src, self.batch)
+        if next_fit is not None and not last:
+            self.h_fit = next_fit
+        if self.h_src is not None:
+            self.h_src = self.runner.run(src_layer, self.h_src, self.batch)
         return out, entry
 
     @staticmethod

@@ -1,10 +1,11 @@
 """`init.refit: values`: one converted layer's value path refitted through its own attention.
 
-The math is `ecomla.mla.refit`'s. Here: run the source layer's attention on the source's calibration
-states (the output to reproduce), run the converted layer's attention on the converted model's own
-calibration states (the student's probabilities and latents), and rewrite `o_proj` and the value rows
-of `kv_b_proj`. The target also carries the drift h_src − h_student that the earlier converted layers
-left in the residual stream, so each layer corrects what came before it where attention can.
+The math is `ecomla.mla.refit`'s. Here: take the source layer's attention output on the source's
+calibration states (the output to reproduce, kept from the source walk), run the converted layer's
+attention on the converted model's own calibration states (the student's probabilities and latents),
+and rewrite `o_proj` and the value rows of `kv_b_proj`. The target also carries the drift
+h_src − h_student that the earlier converted layers left in the residual stream, so each layer corrects
+what came before it where attention can.
 """
 
 from __future__ import annotations
@@ -17,15 +18,16 @@ from ecomla.mla.refit import ValueMoments, solve_value_path, value_map, value_pa
 
 
 @torch.no_grad()
-def refit_values(geo: MLAGeometry, index: int, tensors: dict[str, torch.Tensor], src_runner: LayerRunner,
-                 src_layer: torch.nn.Module, cvt_runner: LayerRunner, h_src: torch.Tensor, h_student: torch.Tensor,
-                 ridge: float, batch: int) -> tuple[dict[str, torch.Tensor], dict]:
+def refit_values(geo: MLAGeometry, index: int, tensors: dict[str, torch.Tensor], cvt_runner: LayerRunner,
+                 h_src: torch.Tensor, h_student: torch.Tensor, wanted: torch.Tensor, ridge: float,
+                 batch: int) -> tuple[dict[str, torch.Tensor], dict]:
     """Layer `index`'s output tensors (names relative to the layer, float32) with o_proj and kv_b_proj's value
     rows refitted, and the report entry (the relative squared error of the value path on the calibration
     tokens before and after). cvt_runner must run eager attention (it returns the probabilities).
 
     h_src, h_student (N, T, d): the layer's input states on the calibration blocks in the source and in
-    the converted model.
+    the converted model; wanted (N, T, d): the source attention's output on h_src
+    (`LayerRunner.run_with_attention`, which the source walk runs anyway).
     """
     n_h, r, d_v, nope, d = geo.n_heads, geo.kv_lora_rank, geo.v_head_dim, geo.qk_nope_head_dim, geo.hidden
     layer = cvt_runner.build(index, tensors)
@@ -35,14 +37,13 @@ def refit_values(geo: MLAGeometry, index: int, tensors: dict[str, torch.Tensor],
     mask, pos = causal_mask(T, dtype, device), torch.arange(T, device=device)[None]
     o_bias = tensors.get("self_attn.o_proj.bias")
     moments = ValueMoments(n_h * r, d)
-    for hs, hc in zip(h_src.split(batch), h_student.split(batch)):
-        hs, hc = hs.to(device, dtype), hc.to(device, dtype)
-        wanted = src_layer.self_attn(src_layer.input_layernorm(hs), src_runner.rotary(hs, pos), mask)[0]
+    for hs, hc, want in zip(h_src.split(batch), h_student.split(batch), wanted.split(batch)):
+        hs, hc, want = hs.to(device, dtype), hc.to(device, dtype), want.to(device, dtype)
         x = layer.input_layernorm(hc)
         _, probs = attn(x, cvt_runner.rotary(hc, pos), mask)  # (B, n_h, T, T)
         latent = attn.kv_a_layernorm(attn.kv_a_proj_with_mqa(x)[..., :r])  # (B, T, r)
         z = (probs @ latent[:, None]).transpose(1, 2).reshape(-1, n_h * r)  # (B·T, n_h·r): what each head reads
-        target = wanted + hs - hc - (0 if o_bias is None else o_bias.to(device, dtype))
+        target = want + hs - hc - (0 if o_bias is None else o_bias.to(device, dtype))
         moments.add(z.cpu(), target.reshape(-1, d).cpu())
     kv_b = tensors["self_attn.kv_b_proj.weight"].double().view(n_h, nope + d_v, r).clone()
     o_before = tensors["self_attn.o_proj.weight"].double()

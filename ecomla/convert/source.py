@@ -208,12 +208,27 @@ class LayerRunner:
     @torch.no_grad()
     def run(self, layer: torch.nn.Module, hidden: torch.Tensor, batch_size: int = 8) -> torch.Tensor:
         """Apply `layer` to (N, T, d) sequences in batches; returns (N, T, d)."""
-        outs = []
+        return self.run_with_attention(layer, hidden, batch_size, keep_attention=False)[0]
+
+    @torch.no_grad()
+    def run_with_attention(self, layer: torch.nn.Module, hidden: torch.Tensor, batch_size: int = 8,
+                           keep_attention: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`run`, and the layer's attention output (N, T, d) on the way (what `self_attn` returned, before the
+        residual add), read by a forward hook, so the attention runs once for both."""
+        outs, attn_outs = [], []
         T = hidden.shape[1]
         mask = causal_mask(T, self.dtype, self.device)
         pos = torch.arange(T, device=self.device)[None]
-        for chunk in hidden.split(batch_size):
-            h = chunk.to(self.device, self.dtype)
-            pe = self.rotary(h, pos)
-            outs.append(layer(h, attention_mask=mask, position_ids=pos, position_embeddings=pe).to(hidden.dtype).cpu())
-        return torch.cat(outs)
+        hook = None
+        if keep_attention:
+            hook = layer.self_attn.register_forward_hook(
+                lambda _module, _args, out: attn_outs.append(out[0].to(hidden.dtype).cpu()))
+        try:
+            for chunk in hidden.split(batch_size):
+                h = chunk.to(self.device, self.dtype)
+                pe = self.rotary(h, pos)
+                outs.append(layer(h, attention_mask=mask, position_ids=pos, position_embeddings=pe).to(hidden.dtype).cpu())
+        finally:
+            if hook is not None:
+                hook.remove()
+        return torch.cat(outs), (torch.cat(attn_outs) if keep_attention else None)

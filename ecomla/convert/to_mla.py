@@ -213,17 +213,26 @@ def residual_rotation(geo: MLAGeometry, split: RopeSplit, inv_freq: torch.Tensor
     return residual_fold(split.rope_rows, output_pairs(geo), geo.head_dim, inv_freq, weights)
 
 
+# rope_residual_distances=attention reads the distances on at most this many calibration tokens (the first
+# blocks): past it the full attention matrices it needs cost more than the rest of a `best` layer's fit
+# (docs/convert.md, the levers of best; docs/real_model.md measures the cap at 65,536 calibration tokens).
+DISTANCE_TOKENS = 16384
+
+
 def attention_rotation(geo: MLAGeometry, split: RopeSplit, src: SourceAttention, y: torch.Tensor, seq_len: int,
-                       inv_freq: torch.Tensor) -> torch.Tensor:
+                       inv_freq: torch.Tensor, max_tokens: int = DISTANCE_TOKENS) -> torch.Tensor:
     """rope_residual_distances=attention: (n_h, d_r/2, 2, 2), each query head's residual rotation averaged over
-    the distances its source attention reads on the calibration blocks y ((N·seq_len, d), unit gain)."""
-    d_h, n = geo.head_dim, y.shape[0] // seq_len
+    the distances its source attention reads on the calibration blocks y ((N·seq_len, d), unit gain): the first
+    max_tokens tokens of them (whole blocks, at least one)."""
+    d_h = geo.head_dim
+    n = min(y.shape[0] // seq_len, max(1, max_tokens // seq_len))
+    y = y[: n * seq_len]
     per_batch = max(1, 2 ** 26 // (geo.n_heads * seq_len * seq_len))  # ≤ 256 MB of probabilities at a time
     weights = torch.zeros(geo.n_heads, seq_len, dtype=torch.float64)
     for start in range(0, n, per_batch):
-        yb = y[start * seq_len:(start + per_batch) * seq_len].double()
-        q = yb @ src.q_w.T + (0 if src.q_b is None else src.q_b.double())
-        k = yb @ src.k_w.T + (0 if src.k_b is None else src.k_b.double())
+        yb = y[start * seq_len:(start + per_batch) * seq_len].float()  # float32, as attention_distances reads them
+        q = yb @ src.q_w.T.float() + (0 if src.q_b is None else src.q_b.float())
+        k = yb @ src.k_w.T.float() + (0 if src.k_b is None else src.k_b.float())
         weights += attention_distances(q.view(-1, seq_len, geo.n_heads, d_h), k.view(-1, seq_len, geo.n_kv, d_h),
                                        inv_freq, d_h ** -0.5)
     return torch.stack([residual_fold(split.rope_rows, output_pairs(geo), d_h, inv_freq, w) for w in weights])

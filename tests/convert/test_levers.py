@@ -211,3 +211,46 @@ def test_the_layout_is_in_the_config_and_its_natural_tensors_are_the_normalized_
     assert layout.linear_latent_of(old.config, tmp_path / "m") == found
 
 
+
+
+def test_the_source_walk_hands_refit_the_attention_output_it_computes(source_factory):
+    """`run_with_attention` returns what `run` returns, and beside it exactly what the layer's own attention
+    gives on those inputs (the refit's target, read on the walk instead of computed a second time)."""
+    from ecomla.convert.source import LayerRunner, causal_mask, inspect_source
+    from ecomla.convert.walk import layer_tensors
+
+    source = inspect_source(str(source_factory("llama")))
+    runner = LayerRunner(source.config, torch.device("cpu"))
+    layer = runner.build(1, layer_tensors(source.reader, 1))
+    hidden = torch.randn(5, 12, source.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    out, attn = runner.run_with_attention(layer, hidden, batch_size=2)
+    assert torch.equal(out, runner.run(layer, hidden, batch_size=2))
+    pos = torch.arange(12)[None]
+    with torch.no_grad():
+        want = layer.self_attn(layer.input_layernorm(hidden), runner.rotary(hidden, pos), causal_mask(12, torch.float32, "cpu"))[0]
+    torch.testing.assert_close(attn, want, rtol=1e-5, atol=1e-6)
+    assert not layer.self_attn._forward_hooks  # the hook is gone after the walk
+
+
+def test_attention_distances_read_the_first_blocks_only(source_factory):
+    """rope_residual_distances=attention reads at most max_tokens tokens (DISTANCE_TOKENS in a conversion): more
+    blocks after them change nothing, fewer blocks do."""
+    from ecomla.convert import to_mla
+    from ecomla.convert.plan import source_inv_freq
+    from ecomla.convert.source import inspect_source
+    from ecomla.convert.walk import layer_tensors, source_attention
+    from ecomla.mla.rope import rope_split
+
+    source = inspect_source(str(source_factory("llama")))
+    shape = source.shape
+    src = source_attention(layer_tensors(source.reader, 0))
+    geo = to_mla.MLAGeometry(hidden=shape.hidden_size, n_heads=shape.num_heads, n_kv=shape.num_kv_heads,
+                             head_dim=shape.head_dim, qk_rope_head_dim=8, kv_lora_rank=16, q_lora_rank=None,
+                             query_scale=1.0, attention_bias=False, rope_key="rorope_act", rope_residual="latent_mean")
+    split = rope_split("high", shape.head_dim, 8, interleave=True)
+    T, inv_freq = 16, source_inv_freq(source)
+    y = torch.randn(6 * T, shape.hidden_size, generator=torch.Generator().manual_seed(1))
+    first = to_mla.attention_rotation(geo, split, src, y[: 3 * T], T, inv_freq, max_tokens=3 * T)
+    assert torch.equal(to_mla.attention_rotation(geo, split, src, y, T, inv_freq, max_tokens=3 * T), first)
+    assert not torch.allclose(to_mla.attention_rotation(geo, split, src, y[: 2 * T], T, inv_freq, max_tokens=3 * T), first)
+    assert to_mla.DISTANCE_TOKENS == 16384
