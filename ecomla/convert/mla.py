@@ -34,7 +34,7 @@ from ecomla.convert.to_mla import (
     source_pair_spectra,
 )
 from ecomla.convert.walk import embed, normalized_input, source_attention
-from ecomla.mla import engines
+from ecomla.mla import engines, latent
 from ecomla.mla.budget import compression_ratio, mla_elements
 from ecomla.mla.rope_key import allocate_slots, kept_energy
 
@@ -51,11 +51,13 @@ def fit_layer(plan: MLAPlan, i: int, src: SourceAttention, y: torch.Tensor | Non
     geo, layer, init = plan.geometry, plan.layers[i], plan.recipe.init
     method = init.method
     std = plan.config.initializer_range
-    fit_kv = make_fitter(method, y, init.ridge, gen, std, latent_scale=geo.latent_scale)
+    needs_cov = y is not None and (method == "activation" or geo.rope_key == "rorope_act")
+    y_cov = latent.second_moment(y) if needs_cov else None  # computed once for the activation fits and the RoPE key
+    fit_kv = make_fitter(method, y, init.ridge, gen, std, latent_scale=geo.latent_scale, y_cov=y_cov)
     fit_q = None
     if geo.q_lora_rank is not None:
-        fit_q = make_fitter("svd" if method == "random" else method, y, init.ridge, gen, std)
-    rope_cov = rope_covariance(geo, y, src)
+        fit_q = make_fitter("svd" if method == "random" else method, y, init.ridge, gen, std, y_cov=y_cov)
+    rope_cov = rope_covariance(geo, y, src, y_cov)
     rotation = None
     if geo.residual_dim and geo.rope_residual == "latent_mean":  # the residual query rows' averaged rotation
         inv_freq = source_inv_freq(plan.source)
@@ -109,9 +111,11 @@ class MLATransform:
         next_fit = wanted = None
         if self.h_fit is not None and (self.refit or not last):
             next_fit, wanted = self.runner.run_with_attention(src_layer, self.h_fit, self.batch, self.refit)
+        next_cvt = None  # the converted model's next calibration states, when the refit can hand them on
         if self.refit:
-            out, refit_entry = refit_values(geo, i, out, self.refit_runner, self.h_fit, self.h_fit_cvt, wanted,
-                                            plan.recipe.init.refit_ridge, self.batch)
+            out, refit_entry, next_cvt = refit_values(
+                geo, i, out, self.refit_runner, self.h_fit, self.h_fit_cvt, wanted, plan.recipe.init.refit_ridge,
+                self.batch, next_states=not last and plan.out_dtype == self.refit_runner.dtype)
             entry.update(refit_entry)  # the held-out K/V errors below stay those of the latent fit (res.tensors)
         out = {k: v.to(plan.out_dtype) for k, v in out.items()}
         if res.q_basis is not None:
@@ -128,7 +132,9 @@ class MLATransform:
             k_err, v_err = kv_errors(geo, split, src, res.tensors, y_held, res.rope.head_scale, res.rope.residual)
             entry.update(heldout_key_rel_error=k_err, heldout_value_rel_error=v_err)
             self.h_cvt = self.cvt_runner.run(converted, self.h_cvt, self.batch)
-        if self.refit and not last:
+        if next_cvt is not None:
+            self.h_fit_cvt = next_cvt
+        elif self.refit and not last:
             self.h_fit_cvt = self.cvt_runner.run(converted, self.h_fit_cvt, self.batch)
         if next_fit is not None and not last:
             self.h_fit = next_fit

@@ -377,11 +377,15 @@ def energy_splits(source: SourceModel, geo: MLAGeometry, slots: list[torch.Tenso
     return [slot_split(geo, c) for c in slots]
 
 
-def rope_covariance(geo: MLAGeometry, y: torch.Tensor | None, src: SourceAttention) -> torch.Tensor | None:
-    """rorope_act: the second moment of the key's inputs, y or [y; 1] with a key bias; None for the other modes."""
+def rope_covariance(geo: MLAGeometry, y: torch.Tensor | None, src: SourceAttention,
+                    y_cov: torch.Tensor | None = None) -> torch.Tensor | None:
+    """rorope_act: the second moment of the key's inputs, y or [y; 1] with a key bias; None for the other modes.
+    y_cov: y's second moment when the caller has it."""
     if geo.rope_key != "rorope_act":
         return None
-    return latent.second_moment(y if src.k_b is None else torch.cat([y, torch.ones(len(y), 1, dtype=y.dtype)], 1))
+    if src.k_b is None:
+        return latent.second_moment(y) if y_cov is None else y_cov
+    return latent.second_moment(torch.cat([y, torch.ones(len(y), 1, dtype=y.dtype)], 1))
 
 
 @dataclass(frozen=True)

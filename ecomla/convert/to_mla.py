@@ -283,7 +283,7 @@ def balance_scale(M: torch.Tensor, key_rows: torch.Tensor, cov: torch.Tensor | N
 
 
 def make_fitter(method: str, y: torch.Tensor | None, ridge: float, gen: torch.Generator, std: float,
-                latent_scale: float = 1.0) -> LatentFit:
+                latent_scale: float = 1.0, y_cov: torch.Tensor | None = None) -> LatentFit:
     """The latent fit of one layer (`init.method`; the math is `ecomla.mla.latent`'s).
 
     svd: the weights' top singular directions; activation: the top directions of M under the inputs'
@@ -291,7 +291,7 @@ def make_fitter(method: str, y: torch.Tensor | None, ridge: float, gen: torch.Ge
     the stock initializer, N(0, std), for both projections. A query bias rides as a constant-1 input
     coordinate when M has d + 1 columns. basis_rows (optional, `BasisRows`): the rows the basis is
     fitted to, the up-projection still to M itself. latent_scale a: the basis rows are a·Q (the
-    up-projection fitted to what the norm makes of them).
+    up-projection fitted to what the norm makes of them). y_cov: y's second moment when the caller has it.
     """
 
     def fit(M: torch.Tensor, rank: int, width: int, basis_rows: BasisRows | None = None) -> tuple[Basis, torch.Tensor]:
@@ -300,9 +300,10 @@ def make_fitter(method: str, y: torch.Tensor | None, ridge: float, gen: torch.Ge
             basis = scaled(basis, latent_scale)
             return basis, pad_cols(latent.up_from_weights(M, basis.rows, width, latent_scale), width)
         if method == "activation":
-            ya = y if y.shape[1] == M.shape[1] else torch.cat([y, torch.ones(y.shape[0], 1, dtype=y.dtype)], dim=1)
+            plain = y.shape[1] == M.shape[1]
+            ya = y if plain else torch.cat([y, torch.ones(y.shape[0], 1, dtype=y.dtype)], dim=1)
             ya = ya.double()
-            cov = latent.second_moment(ya)
+            cov = y_cov if plain and y_cov is not None else latent.second_moment(ya)
             basis = latent.activation_basis(M if basis_rows is None else basis_rows(cov), cov, rank)
             basis = scaled(basis, latent_scale)
             return basis, latent.up_from_activations(M, pad_rows(basis.rows, width), ya, ridge=ridge)

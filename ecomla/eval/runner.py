@@ -105,15 +105,18 @@ def _stderr(task_result: dict, metric: str) -> float | None:
 
 
 def evaluate_model(model: EvalModel, recipe: EvalRecipe, suite: Suite, tm, cfg: dict, base_cfg: dict | None) -> dict:
-    """Run the suite on one model through plain HFLM (loaded by path) and collect its numbers."""
+    """Run the suite on one model through lm-eval's HFLM (loaded by path; with `share_context`, its subclass that
+    runs a multiple-choice item's context once) and collect its numbers."""
     import lm_eval
     from lm_eval.models.huggingface import HFLM
 
     import ecomla.lrkv  # noqa: F401  (registers "lrkv" with the Auto classes, which HFLM loads through)
+    from ecomla.eval.shared_context import SharedContextLM
 
     t0 = time.time()
-    lm = HFLM(pretrained=model.path, tokenizer=model.path, device=recipe.device, dtype=recipe.dtype,
-              batch_size=recipe.batch_size)
+    lm_class = SharedContextLM if recipe.share_context else HFLM
+    lm = lm_class(pretrained=model.path, tokenizer=model.path, device=recipe.device, dtype=recipe.dtype,
+                  batch_size=recipe.batch_size)
     by_limit: dict[int | None, list[str]] = {}  # lm-eval takes one limit per call: one call per distinct limit
     for t in suite.tasks:
         by_limit.setdefault(recipe.limit_of(t.task), []).append(t.task)
@@ -172,7 +175,7 @@ def result_key(model: EvalModel, recipe: EvalRecipe, suite: Suite, include: Path
     limits = [recipe.limit_of(t.task) for t in suite.tasks]
     parts = [path_fingerprint(model.path), recipe_to_dict(model), recipe_to_dict(suite), limits, recipe.dtype,
              recipe.device.split(":")[0], recipe.batch_size, recipe.bootstrap_iters, recipe.seed, base_cfg, include and path_fingerprint(include),
-             lm_eval.__version__]
+             lm_eval.__version__] + (["shared-context"] if recipe.share_context else [])
     return digest(*parts, length=16)
 
 

@@ -254,3 +254,33 @@ def test_attention_distances_read_the_first_blocks_only(source_factory):
     assert torch.equal(to_mla.attention_rotation(geo, split, src, y, T, inv_freq, max_tokens=3 * T), first)
     assert not torch.allclose(to_mla.attention_rotation(geo, split, src, y[: 2 * T], T, inv_freq, max_tokens=3 * T), first)
     assert to_mla.DISTANCE_TOKENS == 16384
+
+
+def test_the_refit_hands_on_the_refitted_layers_output(tmp_path):
+    """The converted model's next calibration states that `refit_values` computes from what each head read equal
+    a run of the refitted layer as written (stock DeepSeek-V3 layer, SDPA), so the walk needs no second run of
+    the converted attention; without next_states it returns none."""
+    from ecomla.convert.plan import make_plan
+    from ecomla.convert.recipe import ConvertRecipe
+    from ecomla.convert.refit import refit_values
+    from ecomla.convert.source import LayerRunner
+    from ecomla.convert.walk import layer_tensors
+    from ecomla.io.checkpoint import CheckpointReader
+    from ecomla.recipe.schema import load_recipe
+
+    out_dir = tmp_path / "refit"
+    _zoo(tmp_path, "refit", {"latent_norm": "linear"}, {"refit": "values"})
+    plan = make_plan(load_recipe(ConvertRecipe, out_dir / "ecomla_recipe.yaml"), force=True, progress=False)
+    eager = LayerRunner(plan.config, torch.device("cpu"), attn_implementation="eager")
+    sdpa = LayerRunner(plan.config, torch.device("cpu"))
+    tensors = layer_tensors(CheckpointReader(out_dir), 1)
+    g = torch.Generator().manual_seed(0)
+    h_student = torch.randn(5, 32, plan.geometry.hidden, generator=g)
+    h_src = h_student + 0.1 * torch.randn(h_student.shape, generator=g)
+    wanted = torch.randn(h_student.shape, generator=g)
+    out, entry, states = refit_values(plan.geometry, 1, tensors, eager, h_src, h_student, wanted, 0.01, 2,
+                                      next_states=True)
+    assert entry["refit_error_after"] < entry["refit_error_before"]
+    ran = sdpa.run(sdpa.build(1, out), h_student, 2)
+    torch.testing.assert_close(states, ran, rtol=1e-4, atol=1e-4 * float(ran.abs().max()))
+    assert refit_values(plan.geometry, 1, tensors, eager, h_src, h_student, wanted, 0.01, 2)[2] is None

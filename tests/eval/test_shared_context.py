@@ -1,0 +1,74 @@
+"""`SharedContextLM` (ecomla/eval/shared_context.py) against lm-eval's own HFLM, request by request."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from lm_eval.models.huggingface import HFLM
+
+from ecomla.eval.shared_context import SharedContextLM
+from tests.convert.helpers import convert
+from tests.eval.test_eval import recipe
+
+
+@pytest.fixture
+def models(source_factory, tmp_path) -> dict[str, Path]:
+    base = source_factory(name="base", max_position_embeddings=1024)
+    mla = tmp_path / "mla"
+    convert(base, mla, mla={"kv_lora_rank": 8, "qk_rope_head_dim": 8})
+    return {"base": base, "mla": mla}
+
+
+def _requests(vocab: int) -> list:
+    """Items of 4 choices (contexts of 9 and 1 tokens, choices of 1-6 tokens), two items sharing a choice, and a
+    lone request, interleaved as lm-eval hands them over."""
+    g = torch.Generator().manual_seed(0)
+
+    def toks(n: int) -> list[int]:
+        return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+    out = []
+    for ctx_len in (9, 1, 14):
+        context = toks(ctx_len)
+        for n in (1, 3, 6, 2):
+            out.append((("ctx", "choice"), context, toks(n)))
+    out.append((("lone", "request"), toks(5), toks(4)))
+    return [out[i] for i in (0, 4, 8, 12, 1, 5, 9, 2, 6, 10, 3, 7, 11)]
+
+
+@pytest.mark.parametrize("which", ["base", "mla"])
+def test_the_same_loglikelihoods_as_hflm(models, which):
+    path = str(models[which])
+    plain = HFLM(pretrained=path, tokenizer=path, device="cpu", dtype="float32", batch_size=4)
+    shared = SharedContextLM(pretrained=path, tokenizer=path, device="cpu", dtype="float32", batch_size=4)
+    requests = _requests(plain.model.config.vocab_size)
+    seen = {}
+    for name, lm in (("plain", plain), ("shared", shared)):  # token positions the model embeds, padding included
+        seen[name] = 0
+        lm.model.get_input_embeddings().register_forward_hook(
+            lambda _m, args, _out, name=name: seen.__setitem__(name, seen[name] + args[0].numel()))
+    want = plain._loglikelihood_tokens(requests, disable_tqdm=True)
+    got = shared._loglikelihood_tokens(requests, disable_tqdm=True)
+    assert len(got) == len(want)
+    for (lp, greedy), (lp_want, greedy_want) in zip(got, want):
+        assert abs(lp - lp_want) < 1e-4 * max(1.0, abs(lp_want)), (lp, lp_want)
+        assert greedy == greedy_want
+    # Every context but its last token ran once per item, not once per choice.
+    assert 0 < seen["shared"] < 0.75 * seen["plain"], seen
+
+
+def test_eval_scores_the_same_with_and_without_it(models, tmp_path):
+    from ecomla.eval.runner import run_eval
+
+    out = {}
+    for share in (True, False):
+        (tmp_path / str(share)).mkdir()
+        r = recipe(tmp_path / str(share), models, share_context=share, limit=8)
+        result = json.loads((run_eval(r, progress=False) / "results" / "mla-4x.json").read_text())
+        out[share] = result["tasks"]
+    for task, numbers in out[False].items():
+        for metric, value in numbers["all_metrics"].items():
+            assert out[True][task]["all_metrics"][metric] == pytest.approx(value, rel=1e-5), (task, metric)
