@@ -114,10 +114,11 @@ class EvalRecipe:
     )
     batch_size: int = knob(32, help="lm-eval batch size")
     share_context: bool = knob(
-        True,
+        False,
         help="Run each multiple-choice item's context once into the KV cache and score its choices on copies "
-        "of it (the same log-probabilities as lm-eval's HFLM, to float rounding; about half the work on 4 "
-        "choices). false: plain HFLM, the context once per choice",
+        "of it, one item at a time (the same log-probabilities as lm-eval's HFLM, to float rounding). On 2 CPU "
+        "cores it saved 2-14% of a pytext evaluation (docs/evaluate.md); false (default): plain HFLM, which "
+        "batches requests across items",
     )
     limit: int | None = knob(None, help="At most this many items per task (smoke runs; null: all)")
     task_limits: dict[str, int | None] = knob(

@@ -8,7 +8,8 @@ same tokens, to float rounding: `tests/eval/test_shared_context.py` compares the
 only the work changes. Requests without a shared context (perplexity windows, single-choice items), and
 models whose cache cannot be copied across a batch, go through HFLM unchanged.
 
-`ecomla eval` uses it unless the recipe says `share_context: false`.
+`ecomla eval` uses it when the recipe says `share_context: true` (off by default: on 2 CPU cores it saved only
+2-14% of the pytext suite, docs/evaluate.md; batching several items' choices together is the next step).
 """
 
 from __future__ import annotations
