@@ -51,7 +51,7 @@ def fit_layer(plan: MLAPlan, i: int, src: SourceAttention, y: torch.Tensor | Non
     geo, layer, init = plan.geometry, plan.layers[i], plan.recipe.init
     method = init.method
     std = plan.config.initializer_range
-    needs_cov = y is not None and (method == "activation" or geo.rope_key == "rorope_act")
+    needs_cov = y is not None and (method == "activation" or (geo.rope_key == "rorope_act" and src.k_b is None))
     y_cov = latent.second_moment(y) if needs_cov else None  # computed once for the activation fits and the RoPE key
     fit_kv = make_fitter(method, y, init.ridge, gen, std, latent_scale=geo.latent_scale, y_cov=y_cov)
     fit_q = None
@@ -117,6 +117,7 @@ class MLATransform:
                 geo, i, out, self.refit_runner, self.h_fit, self.h_fit_cvt, wanted, plan.recipe.init.refit_ridge,
                 self.batch, next_states=not last and plan.out_dtype == self.refit_runner.dtype)
             entry.update(refit_entry)  # the held-out K/V errors below stay those of the latent fit (res.tensors)
+        del wanted
         out = {k: v.to(plan.out_dtype) for k, v in out.items()}
         if res.q_basis is not None:
             entry["q_weight_energy_kept"] = res.q_basis.energy_kept
@@ -125,7 +126,7 @@ class MLATransform:
         if geo.rope_key != "mean":
             entry["rope_allocation"] = self._allocation_entry(src, res.rope, rope_cov)
         converted = None
-        if self.h_src is not None or self.refit:
+        if self.h_src is not None or (self.refit and next_cvt is None and not last):
             converted = self.cvt_runner.build(i, {k: v.float() for k, v in out.items()})
         if self.h_src is not None:
             y_held = normalized_input(self.h_src, self.eps)

@@ -256,10 +256,7 @@ def test_attention_distances_read_the_first_blocks_only(source_factory):
     assert to_mla.DISTANCE_TOKENS == 16384
 
 
-def test_the_refit_hands_on_the_refitted_layers_output(tmp_path):
-    """The converted model's next calibration states that `refit_values` computes from what each head read equal
-    a run of the refitted layer as written (stock DeepSeek-V3 layer, SDPA), so the walk needs no second run of
-    the converted attention; without next_states it returns none."""
+def _next_states_match_a_run(out_dir: Path) -> None:
     from ecomla.convert.plan import make_plan
     from ecomla.convert.recipe import ConvertRecipe
     from ecomla.convert.refit import refit_values
@@ -268,8 +265,6 @@ def test_the_refit_hands_on_the_refitted_layers_output(tmp_path):
     from ecomla.io.checkpoint import CheckpointReader
     from ecomla.recipe.schema import load_recipe
 
-    out_dir = tmp_path / "refit"
-    _zoo(tmp_path, "refit", {"latent_norm": "linear"}, {"refit": "values"})
     plan = make_plan(load_recipe(ConvertRecipe, out_dir / "ecomla_recipe.yaml"), force=True, progress=False)
     eager = LayerRunner(plan.config, torch.device("cpu"), attn_implementation="eager")
     sdpa = LayerRunner(plan.config, torch.device("cpu"))
@@ -284,3 +279,20 @@ def test_the_refit_hands_on_the_refitted_layers_output(tmp_path):
     ran = sdpa.run(sdpa.build(1, out), h_student, 2)
     torch.testing.assert_close(states, ran, rtol=1e-4, atol=1e-4 * float(ran.abs().max()))
     assert refit_values(plan.geometry, 1, tensors, eager, h_src, h_student, wanted, 0.01, 2)[2] is None
+
+
+def test_the_refit_hands_on_the_refitted_layers_output(tmp_path):
+    """The converted model's next calibration states that `refit_values` computes from what each head read equal
+    a run of the refitted layer as written (stock DeepSeek-V3 layer, SDPA), so the walk needs no second run of
+    the converted attention; without next_states it returns none."""
+    _zoo(tmp_path, "refit", {"latent_norm": "linear"}, {"refit": "values"})
+    _next_states_match_a_run(tmp_path / "refit")
+
+
+def test_the_refits_next_states_carry_the_output_bias(source_factory, tmp_path):
+    """The same with an o_proj bias (a Llama with attention_bias: the value bias folds into it)."""
+    src = source_factory("llama", attention_bias=True)
+    convert(src, tmp_path / "biased", mla={"kv_lora_rank": 16, "qk_rope_head_dim": 8, "q_lora_rank": 65},
+            init={"method": "activation", "refit": "values", "calibration": CALIBRATION})
+    assert "model.layers.1.self_attn.o_proj.bias" in load_file(tmp_path / "biased" / "model.safetensors")
+    _next_states_match_a_run(tmp_path / "biased")

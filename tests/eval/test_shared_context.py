@@ -23,8 +23,8 @@ def models(source_factory, tmp_path) -> dict[str, Path]:
 
 
 def _requests(vocab: int) -> list:
-    """Items of 4 choices (contexts of 9 and 1 tokens, choices of 1-6 tokens), two items sharing a choice, and a
-    lone request, interleaved as lm-eval hands them over."""
+    """Items of 4 choices (contexts of 9, 1 and 14 tokens, choices of 1-6 tokens) and a lone request, interleaved
+    as lm-eval hands them over (a one-token context goes through HFLM)."""
     g = torch.Generator().manual_seed(0)
 
     def toks(n: int) -> list[int]:
@@ -45,6 +45,11 @@ def test_the_same_loglikelihoods_as_hflm(models, which):
     plain = HFLM(pretrained=path, tokenizer=path, device="cpu", dtype="float32", batch_size=4)
     shared = SharedContextLM(pretrained=path, tokenizer=path, device="cpu", dtype="float32", batch_size=4)
     requests = _requests(plain.model.config.vocab_size)
+    context = list(requests[0][1])  # one choice of the first item: the model's own greedy tokens
+    for _ in range(3):
+        with torch.no_grad():
+            context.append(int(plain.model(torch.tensor([context])).logits[0, -1].argmax()))
+    requests[4] = (requests[4][0], requests[0][1], context[len(requests[0][1]):])
     seen = {}
     for name, lm in (("plain", plain), ("shared", shared)):  # token positions the model embeds, padding included
         seen[name] = 0
@@ -56,6 +61,7 @@ def test_the_same_loglikelihoods_as_hflm(models, which):
     for (lp, greedy), (lp_want, greedy_want) in zip(got, want):
         assert abs(lp - lp_want) < 1e-4 * max(1.0, abs(lp_want)), (lp, lp_want)
         assert greedy == greedy_want
+    assert any(greedy for _, greedy in want) and not all(greedy for _, greedy in want)
     # Every context but its last token ran once per item, not once per choice.
     assert 0 < seen["shared"] < 0.75 * seen["plain"], seen
 
