@@ -47,6 +47,7 @@ def refit_values(geo: MLAGeometry, index: int, tensors: dict[str, torch.Tensor],
     device, dtype = cvt_runner.device, cvt_runner.dtype
     mask, pos = causal_mask(T, dtype, device), torch.arange(T, device=device)[None]
     o_bias = tensors.get("self_attn.o_proj.bias")
+    bias = None if o_bias is None else o_bias.to(device, dtype)
     moments = ValueMoments(n_h * r, d)
     kept = [] if next_states and n_h * r <= KEEP_FEATURES * d else None
     for hs, hc, want in zip(h_src.split(batch), h_student.split(batch), wanted.split(batch)):
@@ -55,7 +56,7 @@ def refit_values(geo: MLAGeometry, index: int, tensors: dict[str, torch.Tensor],
         _, probs = attn(x, cvt_runner.rotary(hc, pos), mask)  # (B, n_h, T, T)
         latent = attn.kv_a_layernorm(attn.kv_a_proj_with_mqa(x)[..., :r])  # (B, T, r)
         z = (probs @ latent[:, None]).transpose(1, 2).reshape(-1, n_h * r)  # (B·T, n_h·r): what each head reads
-        target = want + hs - hc - (0 if o_bias is None else o_bias.to(device, dtype))
+        target = want + hs - hc - (0 if bias is None else bias)
         moments.add(z.cpu(), target.reshape(-1, d).cpu())
         if kept is not None:
             kept.append(z.cpu())
@@ -74,7 +75,6 @@ def refit_values(geo: MLAGeometry, index: int, tensors: dict[str, torch.Tensor],
     # the stock layer's residual, post-attention norm and MLP.
     uv_w = out["self_attn.kv_b_proj.weight"].view(n_h, nope + d_v, r)[:, nope:].to(device, dtype)  # (n_h, d_v, r)
     o_w_w = out["self_attn.o_proj.weight"].to(device, dtype)
-    bias = None if o_bias is None else o_bias.to(device, dtype)
     nxt = []
     for z, hc in zip(kept, h_student.split(batch)):
         hc = hc.to(device, dtype)

@@ -215,7 +215,7 @@ def residual_rotation(geo: MLAGeometry, split: RopeSplit, inv_freq: torch.Tensor
 
 # rope_residual_distances=attention reads the distances on at most this many calibration tokens (the first
 # blocks): past it the full attention matrices it needs cost more than the rest of a `best` layer's fit
-# (docs/convert.md, the levers of best; docs/real_model.md measures the cap at 65,536 calibration tokens).
+# (docs/convert.md, "What a calibration token costs").
 DISTANCE_TOKENS = 16384
 
 

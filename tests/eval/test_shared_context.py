@@ -3,23 +3,13 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 from lm_eval.models.huggingface import HFLM
 
 from ecomla.eval.shared_context import SharedContextLM
-from tests.convert.helpers import convert
 from tests.eval.test_eval import recipe
-
-
-@pytest.fixture
-def models(source_factory, tmp_path) -> dict[str, Path]:
-    base = source_factory(name="base", max_position_embeddings=1024)
-    mla = tmp_path / "mla"
-    convert(base, mla, mla={"kv_lora_rank": 8, "qk_rope_head_dim": 8})
-    return {"base": base, "mla": mla}
 
 
 def _requests(vocab: int) -> list:
