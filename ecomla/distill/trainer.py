@@ -289,11 +289,18 @@ class DistillRun:
             stage_of = [0] * len(names)
             self.stage_bounds = np.array([1.0])
         groups = models.adamw_groups(params, stage_of, models.lr_multipliers(names, r.train.lr_multipliers))
+        # fused: one pass over each tensor's weights, gradients and moments (CPU and CUDA); the per-tensor loop
+        # took 8% of a CPU step on SmolLM2 (docs/benchmarks.md)
         opt = torch.optim.AdamW([{"params": g["params"]} for g in groups], lr=r.train.lr,
-                                betas=tuple(r.train.betas), weight_decay=r.train.weight_decay)
+                                betas=tuple(r.train.betas), weight_decay=r.train.weight_decay, fused=True)
         self.group_first_stage = [g["first_stage"] for g in groups]
         self.group_lr_multiplier = [g["lr_multiplier"] for g in groups]
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=student, optimizer=opt, config=self.ds_config)
+        # One process under ZeRO-0 with AdamW unwrapped: DeepSpeed's gradient all-reduce would only copy every
+        # gradient into a flat buffer and back to average it over one rank (12% of a CPU step on SmolLM2), so
+        # backward runs in its `no_sync` context. Anything else (more ranks, ZeRO's partitions, a precision
+        # wrapper) keeps the reduction.
+        self.skip_reduce = dist.world_size == 1 and r.deepspeed.zero_stage == 0 and self.engine.optimizer is opt
         if teacher_model is not None:
             if r.deepspeed.zero_stage == 3:
                 t_engine = deepspeed.initialize(model=teacher_model, config=teacher_ds_config(self.ds_config))[0]
@@ -363,7 +370,8 @@ class DistillRun:
                         f"non-finite loss at step {step}; stopped before the update. The last good checkpoint "
                         f"is in {self.ckpt_dir} (lower train.lr, or check the data)"
                     )
-                self.engine.backward(loss_sums.total * scale)
+                with self.engine.no_sync() if self.skip_reduce else contextlib.nullcontext():
+                    self.engine.backward(loss_sums.total * scale)
                 if j == len(micro) - 1 and r.deepspeed.zero_stage == 0:  # ZeRO-0 keeps whole gradients: their norm
                     grad_norm = local_grad_norm(self.engine.module)
                 self.engine.step()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -371,3 +373,36 @@ def test_a_distilled_linear_student_distils_again_from_its_final(world, tmp_path
         losses[name] = [x["loss"] for x in w.metrics(tmp_path / f"second {name}") if not x.get("final_eval")]
     assert losses["final"] == losses["known by its report"], losses
     assert losses["final"] != losses["unknown"], losses
+
+
+_FORCED_REDUCE = """
+import sys
+from ecomla.distill.recipe import load_distill_recipe
+from ecomla.distill.trainer import DistillRun
+
+job = DistillRun(load_distill_recipe(sys.argv[1], []), progress=False)
+job.setup()
+assert job.skip_reduce  # one process, ZeRO-0, fp32: the reduction is skipped unless told otherwise
+job.skip_reduce = sys.argv[2] == "skip"
+job.train()
+"""
+
+
+def test_one_process_skips_deepspeeds_reduction_without_changing_a_bit(world, tmp_path):
+    """One process under ZeRO-0 runs backward in DeepSpeed's no_sync (the all-reduce over one rank only copies
+    the gradients through a flat buffer): the trained weights equal, bit for bit, those of a run that reduces,
+    with gradient accumulation (2 micro-batches per step) so that no_sync spans several backwards."""
+    weights = {}
+    for mode in ("skip", "reduce"):
+        out = tmp_path / mode
+        r = w.recipe(world, out, train={"total_tokens": 256 * 3, "micro_batch_size": 1},
+                     checkpoint={"every_steps": 0})
+        path = w.write_recipe(tmp_path / f"{mode}.yaml", r)
+        proc = subprocess.run([sys.executable, "-c", _FORCED_REDUCE, str(path), mode], capture_output=True,
+                              text=True, timeout=600, env=w.env())
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        weights[mode] = _weights(out / "final")
+    before = _weights(world["student"])
+    assert any(not torch.equal(p, before[n]) for n, p in weights["skip"].items())
+    for name, p in weights["skip"].items():
+        assert torch.equal(p, weights["reduce"][name]), name
