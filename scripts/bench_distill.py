@@ -3,7 +3,8 @@
     python scripts/bench_distill.py             # the full run, ~5 minutes on 2 CPU cores
     python scripts/bench_distill.py --quick     # smaller sizes, a smoke run of every part
     python scripts/bench_distill.py --skip memory zero --real STUDENT models/smollm2-135m-instruct
-                                                # part 1 on a real MLA student and its source (vocab 49,152)
+                                                # part 1 on a real MLA student and its source (vocab 49,152),
+                                                # and parts 4 and 5 (--skip kd_real ild update: each alone)
 
 Three measurements, each reported as a ratio of things measured side by side in this run:
 
@@ -26,6 +27,12 @@ Three measurements, each reported as a ratio of things measured side by side in 
    teacher serving as the ILD source: a KD step with and without it (loss.recompute false), each step kind in a
    child of its own, so that its peak RSS is its own; ILD / KD for the median step time and for the peak RSS.
 
+5. With --real: the optimizer update on one process, as `ecomla distill` runs it (DeepSpeed ZeRO-0, fp32, AdamW;
+   one sequence of 512 per step: the main job's step) on the real student: a step of student forward + CE +
+   backward + update, with DeepSpeed's gradient all-reduce over the one rank and AdamW's per-tensor loop (the
+   trainer before 7d8f90c) and with backward in the engine's `no_sync` and AdamW fused (since): the median of
+   each part and new / old for the step.
+
 Why child processes: peak RSS is a per-process high-water mark that never comes down, so each
 measurement runs in a fresh child (this script with a hidden --child mode) and its own ru_maxrss
 is read with os.wait4 when it exits (RUSAGE_CHILDREN would give the max over all children so far).
@@ -37,6 +44,7 @@ Prints tables and writes JSON (--out).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -135,6 +143,60 @@ def child_kd(spec: dict) -> dict:
             **{name: {"median_s": statistics.median(t), "all_s": t} for name, t in times.items()}}
 
 
+UPDATE = {"full": {"seq": 512, "batch": 1, "warmup": 1, "repeats": 5},
+          "quick": {"seq": 128, "batch": 1, "warmup": 1, "repeats": 2}}
+
+
+def child_update(spec: dict) -> dict:
+    """Median seconds of the parts of a one-process ZeRO-0 step, the old way and the new (part 5)."""
+    import deepspeed
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    from ecomla.distill.runtime import init_distributed
+
+    torch.set_num_threads(spec["threads"])
+    torch.manual_seed(0)
+    dist = init_distributed()
+    student = AutoModelForCausalLM.from_pretrained(spec["student_dir"], dtype=torch.float32).train()
+    B, T = spec["batch"], spec["seq"]
+    tokens = torch.randint(student.config.vocab_size, (B, T))
+    config = {"train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": 1, "train_batch_size": B,
+              "gradient_clipping": 1.0, "zero_optimization": {"stage": 0}, "steps_per_print": 10**12}
+    engines = {}
+    for way, fused in (("old", False), ("new", True)):
+        opt = torch.optim.AdamW(student.parameters(), lr=1e-6, betas=(0.9, 0.95), fused=fused,
+                                foreach=None if fused else False)
+        engines[way] = deepspeed.initialize(model=student, optimizer=opt, config=config)[0]
+    times: dict[str, list[float]] = {f"{way}_{part}": [] for way in engines for part in ("forward", "backward", "update")}
+    for i in range(spec["warmup"] + spec["repeats"]):
+        for way, engine in engines.items():  # interleaved, so a change of machine load hits both alike
+            t0 = time.perf_counter()
+            logits = engine(input_ids=tokens).logits[:, :-1]
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+            t1 = time.perf_counter()
+            with engine.no_sync() if way == "new" else contextlib.nullcontext():
+                engine.backward(loss)
+            t2 = time.perf_counter()
+            engine.step()
+            t3 = time.perf_counter()
+            if i >= spec["warmup"]:
+                for part, dt in (("forward", t1 - t0), ("backward", t2 - t1), ("update", t3 - t2)):
+                    times[f"{way}_{part}"].append(dt)
+    assert dist.world_size == 1
+    return {"threads": torch.get_num_threads(), "params": sum(p.numel() for p in student.parameters()),
+            **{name: {"median_s": statistics.median(t), "all_s": t} for name, t in times.items()}}
+
+
+def bench_update(size: dict, threads: int, work: Path, student: str) -> dict:
+    """Part 5: the old and the new one-process update, in one child, interleaved."""
+    res, _ = child("update", {**size, "threads": threads, "student_dir": str(Path(student).resolve())}, work, "update")
+    step = {way: sum(res[f"{way}_{part}"]["median_s"] for part in ("forward", "backward", "update"))
+            for way in ("old", "new")}
+    return {**res, "sizes": {**size, "student": student}, "step_s": step, "new_over_old": step["new"] / step["old"]}
+
+
 def bench_ild(size: dict, threads: int, work: Path, student: str, teacher: str) -> dict:
     """Part 4: a KD step with and without intermediate-layer distillation (the teacher as the ILD source, so
     one teacher forward serves both), each in a child of its own: median step time and peak RSS, as ratios."""
@@ -201,7 +263,7 @@ def child_world(spec: dict) -> dict:
     return {"root": str(root)}
 
 
-CHILDREN = {"kd": child_kd, "mem": child_mem, "world": child_world}
+CHILDREN = {"kd": child_kd, "mem": child_mem, "world": child_world, "update": child_update}
 
 
 # ---- parent ---------------------------------------------------------------------------------------------------
@@ -354,6 +416,15 @@ def print_tables(r: dict) -> None:
             row = x["runs"][name]
             print(f"  {label:<30} {row['median_s']:8.3f} s   peak RSS {row['maxrss_bytes'] / MiB:8.0f} MiB")
         print(f"  time ILD / KD {x['time_ild_over_kd']:.3f}   peak RSS ILD / KD {x['peak_rss_ild_over_kd']:.3f}")
+    if "update" in r:
+        x, s = r["update"], r["update"]["sizes"]
+        print(f"\n5. The one-process update on {s['student']} ({s['batch']}x{s['seq']} tokens, DeepSpeed ZeRO-0, fp32, "
+              f"{x['threads']} threads; median of {s['repeats']})")
+        print(f"  {'':<44} {'forward':>8} {'backward':>9} {'update':>8} {'step':>8}")
+        for way, label in (("old", "old: all-reduce over 1 rank, per-tensor AdamW"), ("new", "new: no_sync, fused AdamW")):
+            parts = [x[f"{way}_{part}"]["median_s"] for part in ("forward", "backward", "update")]
+            print(f"  {label:<44} {parts[0]:8.3f} {parts[1]:9.3f} {parts[2]:8.3f} {x['step_s'][way]:8.3f} s")
+        print(f"  step new / old {x['new_over_old']:.3f}")
     if "zero" in r:
         z = r["zero"]
         print(f"\n3. ecomla distill on 2 processes ({z['precision']}, seq {z['seq_len']}, {z['sequences_per_step']} "
@@ -372,7 +443,7 @@ def main() -> int:
     p.add_argument("--workdir", type=Path, default=Path(".cache/bench_distill"), help="child logs and run outputs")
     p.add_argument("--keep", action="store_true", help="keep the ZeRO models and run outputs")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads of the one-process parts")
-    p.add_argument("--skip", nargs="*", default=[], choices=["kd", "memory", "zero", "ild"], help="parts to leave out")
+    p.add_argument("--skip", nargs="*", default=[], choices=["kd", "kd_real", "memory", "zero", "ild", "update"], help="parts to leave out")
     p.add_argument("--real", nargs=2, metavar=("STUDENT", "TEACHER"), default=None,
                    help="also part 1 on real checkpoints, e.g. an `ecomla convert` output of SmolLM2 and SmolLM2 "
                    "itself (fp32, 4x512 tokens: the main job's micro-batch)")
@@ -399,7 +470,7 @@ def main() -> int:
         kd["a_no_recompute_over_b_plus_c"] = (kd["kd_step_no_recompute"]["median_s"]
                                               / (kd["ce_step"]["median_s"] + kd["teacher_forward"]["median_s"]))
         result["kd"] = kd
-    if args.real is not None:
+    if args.real is not None and "kd_real" not in args.skip:
         print("  kd overhead on the real model ...", flush=True)
         size = {**KD_REAL[preset], "student": args.real[0], "teacher": args.real[1]}
         kd, _ = child("kd", {**size, "student_dir": str(Path(args.real[0]).resolve()),
@@ -409,8 +480,12 @@ def main() -> int:
         kd["a_no_recompute_over_b_plus_c"] = (kd["kd_step_no_recompute"]["median_s"]
                                               / (kd["ce_step"]["median_s"] + kd["teacher_forward"]["median_s"]))
         result["kd_real"] = kd
+    if args.real is not None:
         if "ild" not in args.skip:
             result["ild"] = bench_ild(KD_REAL[preset], args.threads, work, *args.real)
+        if "update" not in args.skip:
+            print("  the one-process update on the real model ...", flush=True)
+            result["update"] = bench_update(UPDATE[preset], args.threads, work, args.real[0])
     if "zero" not in args.skip:
         result["zero"] = bench_zero(ZERO[preset], work, args.keep)
     result["wall_s"] = time.perf_counter() - t0

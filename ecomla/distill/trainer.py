@@ -297,7 +297,7 @@ class DistillRun:
         self.group_lr_multiplier = [g["lr_multiplier"] for g in groups]
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=student, optimizer=opt, config=self.ds_config)
         # One process under ZeRO-0 with AdamW unwrapped: DeepSpeed's gradient all-reduce would only copy every
-        # gradient into a flat buffer and back to average it over one rank (12% of a CPU step on SmolLM2), so
+        # gradient into a flat buffer and back to average it over one rank (15% of a CPU step on SmolLM2), so
         # backward runs in its `no_sync` context. Anything else (more ranks, ZeRO's partitions, a precision
         # wrapper) keeps the reduction.
         self.skip_reduce = dist.world_size == 1 and r.deepspeed.zero_stage == 0 and self.engine.optimizer is opt
