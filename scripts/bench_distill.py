@@ -29,9 +29,9 @@ Three measurements, each reported as a ratio of things measured side by side in 
 
 5. With --real: the optimizer update on one process, as `ecomla distill` runs it (DeepSpeed ZeRO-0, fp32, AdamW;
    one sequence of 512 per step: the main job's step) on the real student: a step of student forward + CE +
-   backward + update, with DeepSpeed's gradient all-reduce over the one rank and AdamW's per-tensor loop (the
-   trainer before 7d8f90c) and with backward in the engine's `no_sync` and AdamW fused (since): the median of
-   each part and new / old for the step.
+   backward + update, with DeepSpeed's gradient all-reduce over the one rank and torch's default AdamW (per
+   tensor on CPU: the trainer before 7d8f90c) and with backward in the engine's `no_sync` and AdamW fused
+   (since), the two in turn first: the median of each part, their sum as the step, and new / old.
 
 Why child processes: peak RSS is a per-process high-water mark that never comes down, so each
 measurement runs in a fresh child (this script with a hidden --child mode) and its own ru_maxrss
@@ -166,12 +166,13 @@ def child_update(spec: dict) -> dict:
               "gradient_clipping": 1.0, "zero_optimization": {"stage": 0}, "steps_per_print": 10**12}
     engines = {}
     for way, fused in (("old", False), ("new", True)):
-        opt = torch.optim.AdamW(student.parameters(), lr=1e-6, betas=(0.9, 0.95), fused=fused,
-                                foreach=None if fused else False)
+        # old: torch's default loop, as the trainer had it (per tensor on CPU, foreach on CUDA)
+        opt = torch.optim.AdamW(student.parameters(), lr=1e-6, betas=(0.9, 0.95), fused=fused or None)
         engines[way] = deepspeed.initialize(model=student, optimizer=opt, config=config)[0]
     times: dict[str, list[float]] = {f"{way}_{part}": [] for way in engines for part in ("forward", "backward", "update")}
     for i in range(spec["warmup"] + spec["repeats"]):
-        for way, engine in engines.items():  # interleaved, so a change of machine load hits both alike
+        order = list(engines.items()) if i % 2 == 0 else list(engines.items())[::-1]
+        for way, engine in order:  # interleaved, in turn first, so a change of machine load hits both alike
             t0 = time.perf_counter()
             logits = engine(input_ids=tokens).logits[:, :-1]
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))

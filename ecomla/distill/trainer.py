@@ -290,17 +290,20 @@ class DistillRun:
             self.stage_bounds = np.array([1.0])
         groups = models.adamw_groups(params, stage_of, models.lr_multipliers(names, r.train.lr_multipliers))
         # fused: one pass over each tensor's weights, gradients and moments (CPU and CUDA); the per-tensor loop
-        # took 8% of a CPU step on SmolLM2 (docs/benchmarks.md)
+        # took 6% of a CPU step on SmolLM2 (docs/benchmarks.md)
         opt = torch.optim.AdamW([{"params": g["params"]} for g in groups], lr=r.train.lr,
                                 betas=tuple(r.train.betas), weight_decay=r.train.weight_decay, fused=True)
         self.group_first_stage = [g["first_stage"] for g in groups]
         self.group_lr_multiplier = [g["lr_multiplier"] for g in groups]
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=student, optimizer=opt, config=self.ds_config)
-        # One process under ZeRO-0 with AdamW unwrapped: DeepSpeed's gradient all-reduce would only copy every
-        # gradient into a flat buffer and back to average it over one rank (15% of a CPU step on SmolLM2), so
-        # backward runs in its `no_sync` context. Anything else (more ranks, ZeRO's partitions, a precision
-        # wrapper) keeps the reduction.
-        self.skip_reduce = dist.world_size == 1 and r.deepspeed.zero_stage == 0 and self.engine.optimizer is opt
+        # One process under ZeRO-0 with AdamW unwrapped, fp32 gradients and no pre-division: DeepSpeed's gradient
+        # all-reduce would only copy every gradient into a flat buffer and back to average it over one rank (16% of
+        # a CPU step on SmolLM2), so backward runs in its `no_sync` context, and `_zero_missing_grads` does the one
+        # other thing the reduction does. Anything else (more ranks, ZeRO's partitions, a precision wrapper, a
+        # reduction that rounds) keeps the reduction.
+        self.skip_reduce = (dist.world_size == 1 and r.deepspeed.zero_stage == 0 and self.engine.optimizer is opt
+                            and self.engine.communication_data_type == torch.float32
+                            and self.engine.gradient_predivide_factor() == 1.0)
         if teacher_model is not None:
             if r.deepspeed.zero_stage == 3:
                 t_engine = deepspeed.initialize(model=teacher_model, config=teacher_ds_config(self.ds_config))[0]
@@ -372,6 +375,8 @@ class DistillRun:
                     )
                 with self.engine.no_sync() if self.skip_reduce else contextlib.nullcontext():
                     self.engine.backward(loss_sums.total * scale)
+                if j == len(micro) - 1 and self.skip_reduce:
+                    self._zero_missing_grads()
                 if j == len(micro) - 1 and r.deepspeed.zero_stage == 0:  # ZeRO-0 keeps whole gradients: their norm
                     grad_norm = local_grad_norm(self.engine.module)
                 self.engine.step()
@@ -410,6 +415,14 @@ class DistillRun:
         final = self.export()
         logger.close()
         return {**last, "final": str(final)}
+
+    def _zero_missing_grads(self) -> None:
+        """What DeepSpeed's reduction does besides averaging: a trainable tensor that got no gradient this step (the
+        final norm and head when only ILD trains) gets a zero one, so AdamW still steps it (its moments decay, its
+        weight decay applies) as on more processes."""
+        for p in self.engine.module.parameters():
+            if p.requires_grad and p.grad is None and p.numel():
+                p.grad = torch.zeros_like(p)
 
     def _due(self, step: int, every: int) -> bool:
         return every > 0 and (step + 1) % every == 0

@@ -388,15 +388,21 @@ job.train()
 """
 
 
-def test_one_process_skips_deepspeeds_reduction_without_changing_a_bit(world, tmp_path):
+@pytest.mark.parametrize("case", ["kd", "ild alone, weight decay"])
+def test_one_process_skips_deepspeeds_reduction_without_changing_a_bit(world, tmp_path, case):
     """One process under ZeRO-0 runs backward in DeepSpeed's no_sync (the all-reduce over one rank only copies
     the gradients through a flat buffer): the trained weights equal, bit for bit, those of a run that reduces,
-    with gradient accumulation (2 micro-batches per step) so that no_sync spans several backwards."""
+    with gradient accumulation (2 micro-batches per step) so that no_sync spans several backwards. ILD alone
+    leaves the final norm and head without gradients, which the reduction zero-fills, so weight decay moves them."""
     weights = {}
+    extra = {} if case == "kd" else {"loss": {"kind": "none", "kd_weight": 0.0, "ce_weight": 0.0, "ild_weight": 1.0}}
+    decay = {} if case == "kd" else {"weight_decay": 0.1}
     for mode in ("skip", "reduce"):
         out = tmp_path / mode
-        r = w.recipe(world, out, train={"total_tokens": 256 * 3, "micro_batch_size": 1},
-                     checkpoint={"every_steps": 0})
+        r = w.recipe(world, out, train={"total_tokens": 256 * 3, "micro_batch_size": 1, **decay},
+                     checkpoint={"every_steps": 0}, **extra)
+        if case != "kd":  # the student's own source (a Llama) serves ILD
+            r["teacher"] = {"model": str(world["root"] / "base")}
         path = w.write_recipe(tmp_path / f"{mode}.yaml", r)
         proc = subprocess.run([sys.executable, "-c", _FORCED_REDUCE, str(path), mode], capture_output=True,
                               text=True, timeout=600, env=w.env())
@@ -404,5 +410,7 @@ def test_one_process_skips_deepspeeds_reduction_without_changing_a_bit(world, tm
         weights[mode] = _weights(out / "final")
     before = _weights(world["student"])
     assert any(not torch.equal(p, before[n]) for n, p in weights["skip"].items())
+    if case != "kd":  # no gradient reached the final norm: weight decay alone moved it
+        assert not torch.equal(weights["skip"]["model.norm.weight"], before["model.norm.weight"])
     for name, p in weights["skip"].items():
         assert torch.equal(p, weights["reduce"][name]), name
