@@ -6,7 +6,7 @@
                                                 # part 1 on a real MLA student and its source (vocab 49,152),
                                                 # and parts 4 and 5 (--skip kd_real ild update: each alone)
 
-Three measurements, each reported as a ratio of things measured side by side in this run:
+Five measurements, each reported as a ratio of things measured side by side in this run:
 
 1. KD overhead. Random HF Llama student and teacher, plain torch, one process: median time of
    (a) one KD step, exactly the trainer's `batch_loss` (teacher forward without grad, student

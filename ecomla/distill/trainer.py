@@ -375,10 +375,11 @@ class DistillRun:
                     )
                 with self.engine.no_sync() if self.skip_reduce else contextlib.nullcontext():
                     self.engine.backward(loss_sums.total * scale)
-                if j == len(micro) - 1 and self.skip_reduce:
-                    self._zero_missing_grads()
-                if j == len(micro) - 1 and r.deepspeed.zero_stage == 0:  # ZeRO-0 keeps whole gradients: their norm
-                    grad_norm = local_grad_norm(self.engine.module)
+                if j == len(micro) - 1:  # the step's last backward
+                    if self.skip_reduce:
+                        self._zero_missing_grads()
+                    if r.deepspeed.zero_stage == 0:  # ZeRO-0 keeps whole gradients: their norm
+                        grad_norm = local_grad_norm(self.engine.module)
                 self.engine.step()
                 ild = loss_sums.ild if loss_sums.ild is not None else loss_sums.total.new_zeros(())
                 sums = [a + float(b.detach()) for a, b in zip(sums, (loss_sums.total, loss_sums.kd, loss_sums.ce, ild))]
