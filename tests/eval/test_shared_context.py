@@ -8,43 +8,65 @@ import pytest
 import torch
 from lm_eval.models.huggingface import HFLM
 
-from ecomla.eval.shared_context import SharedContextLM
+from ecomla.eval.shared_context import SharedContextLM, batches
 from tests.eval.test_eval import recipe
 
 
 def _requests(vocab: int) -> list:
-    """Items of 4 choices (contexts of 9, 1 and 14 tokens, choices of 1-6 tokens) and a lone request, interleaved
-    as lm-eval hands them over (a one-token context goes through HFLM)."""
+    """Items of 4 choices (contexts of 9, 1, 14 and 4 tokens, choices of 1-6 tokens) and a lone request,
+    interleaved as lm-eval hands them over (a one-token context goes through HFLM)."""
     g = torch.Generator().manual_seed(0)
 
     def toks(n: int) -> list[int]:
         return torch.randint(3, vocab, (n,), generator=g).tolist()
 
     out = []
-    for ctx_len in (9, 1, 14):
+    for ctx_len in (9, 1, 14, 4):
         context = toks(ctx_len)
         for n in (1, 3, 6, 2):
             out.append((("ctx", "choice"), context, toks(n)))
     out.append((("lone", "request"), toks(5), toks(4)))
-    return [out[i] for i in (0, 4, 8, 12, 1, 5, 9, 2, 6, 10, 3, 7, 11)]
+    return [out[i] for i in (0, 4, 8, 12, 16, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15)]
 
 
-@pytest.mark.parametrize("which", ["base", "mla"])
-def test_the_same_loglikelihoods_as_hflm(models, which):
-    path = str(models[which])
+@pytest.fixture
+def lrkv_model(models, tmp_path):
+    """A tiny LRKV model (ecomla's own architecture, its own cache class) beside the base's tokenizer."""
+    import shutil
+
+    from tests.lrkv.helpers import tiny_lrkv
+
+    path = tmp_path / "lrkv"
+    tiny_lrkv().save_pretrained(path)
+    for f in models["base"].iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, path / f.name)
+    return path
+
+
+# batch_size 4: one 4-choice item a batch; 16: the three items of 2+ context tokens in one batch, their contexts
+# (13, 8 and 3 tokens into the cache) left-padded; 8: two items, then one.
+@pytest.mark.parametrize("which,batch_size", [("base", 4), ("mla", 4), ("base", 16), ("mla", 16), ("mla", 8),
+                                              ("lrkv", 16)])
+def test_the_same_loglikelihoods_as_hflm(models, lrkv_model, which, batch_size):
+    path = str(lrkv_model if which == "lrkv" else models[which])
     plain = HFLM(pretrained=path, tokenizer=path, device="cpu", dtype="float32", batch_size=4)
-    shared = SharedContextLM(pretrained=path, tokenizer=path, device="cpu", dtype="float32", batch_size=4)
+    shared = SharedContextLM(pretrained=path, tokenizer=path, device="cpu", dtype="float32", batch_size=batch_size)
     requests = _requests(plain.model.config.vocab_size)
     context = list(requests[0][1])  # one choice of the first item: the model's own greedy tokens
     for _ in range(3):
         with torch.no_grad():
             context.append(int(plain.model(torch.tensor([context])).logits[0, -1].argmax()))
-    requests[4] = (requests[4][0], requests[0][1], context[len(requests[0][1]):])
-    seen = {}
-    for name, lm in (("plain", plain), ("shared", shared)):  # token positions the model embeds, padding included
-        seen[name] = 0
-        lm.model.get_input_embeddings().register_forward_hook(
-            lambda _m, args, _out, name=name: seen.__setitem__(name, seen[name] + args[0].numel()))
+    requests[5] = (requests[5][0], requests[0][1], context[len(requests[0][1]):])
+    seen, calls = {}, {}
+    for name, lm in (("plain", plain), ("shared", shared)):  # tokens the model embeds (both pad with id 0)
+        seen[name] = calls[name] = 0
+
+        def count(_m, args, _out, name=name):
+            seen[name] += int((args[0] != 0).sum())
+            calls[name] += 1
+
+        lm.model.get_input_embeddings().register_forward_hook(count)
     want = plain._loglikelihood_tokens(requests, disable_tqdm=True)
     got = shared._loglikelihood_tokens(requests, disable_tqdm=True)
     assert len(got) == len(want)
@@ -54,6 +76,15 @@ def test_the_same_loglikelihoods_as_hflm(models, which):
     assert any(greedy for _, greedy in want) and not all(greedy for _, greedy in want)
     # Every context but its last token ran once per item, not once per choice.
     assert 0 < seen["shared"] < 0.75 * seen["plain"], seen
+    # Two passes a batch of items (contexts, then choices), after HFLM's own batches of the other 5 requests.
+    assert calls["shared"] == {4: 2 + 2 * 3, 8: 1 + 2 * 2, 16: 1 + 2 * 1}[batch_size], calls
+
+
+def test_batches_fill_up_to_the_width_with_whole_items():
+    assert batches([[0, 1, 2, 3], [4, 5], [6, 7, 8, 9], [10]], 6) == [[[0, 1, 2, 3], [4, 5]], [[6, 7, 8, 9], [10]]]
+    assert batches([[0, 1, 2, 3, 4, 5, 6]], 4) == [[[0, 1, 2, 3, 4, 5, 6]]]  # an item wider than the batch: alone
+    assert batches([[0, 1], [2, 3]], 1) == [[[0, 1]], [[2, 3]]]
+    assert batches([], 16) == []
 
 
 def test_eval_scores_the_same_with_and_without_it(models, tmp_path):
