@@ -3,14 +3,15 @@
 lm-eval scores a multiple-choice item as one loglikelihood request per choice, each the whole context plus
 that choice, so a 4-choice item runs its context 4 times. `SharedContextLM` groups the requests that share
 a context (the choices of one item), runs the context once into the model's KV cache, and runs all the
-choices together on copies of that cache. Several items go in one batch: their contexts left-padded into one
+choices together on copies of that cache. Several items go in one batch: their contexts (but the last tokens) left-padded into one
 prefix pass (masked, with each row's own positions), then every choice of every item, right-padded, as one
 batch on the copy of its item's cache, up to `batch_size` choices a batch (at least one item; one item a batch
 under `batch_size: auto`). The numbers are HFLM's (the same log-probabilities of the same tokens, to float
 rounding: `tests/eval/test_shared_context.py` compares the two request by request); only the work changes.
 Requests without a shared context of at least two tokens (perplexity windows, whose first windows share only
-the one prefix token; single-choice items), and models whose cache cannot be copied across a batch, go
-through HFLM unchanged.
+the one prefix token; single-choice items), and models that return no cache, go through HFLM unchanged. Models
+whose cache is not plain keys and values (recurrent or linear-attention layers) and fp16 models run one item
+a batch (no padding in the context pass).
 
 `ecomla eval` uses it when the recipe says `share_context: true` (off by default; its savings on 2 CPU cores:
 docs/evaluate.md).
@@ -24,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from lm_eval.models.huggingface import HFLM
 from tqdm.auto import tqdm
+from transformers.cache_utils import DynamicLayer
 
 Request = tuple[tuple[str, str], list[int], list[int]]
 Answer = tuple[float, bool]
@@ -63,7 +65,7 @@ class SharedContextLM(HFLM):
         # Longest choice first, then longest context (HFLM also sorts longest first): a batch's rows pad little.
         shared.sort(key=lambda members: (-max(len(requests[i][2]) for i in members), -len(requests[members[0]][1])))
         size = override_bs or self.batch_size
-        width = size if isinstance(size, int) else 1
+        width = size if isinstance(size, int) and shared and self._may_pad() else 1
         bar = tqdm(total=len(shared), desc="Running loglikelihood requests (shared contexts)",
                    disable=disable_tqdm or self.rank != 0)
         for batch in batches(shared, width):
@@ -84,6 +86,20 @@ class SharedContextLM(HFLM):
         bar.close()
         return results  # type: ignore[return-value]
 
+    def _may_pad(self) -> bool:
+        """Whether items may share a batch. Left padding is safe when every cache layer holds an attention layer's
+        keys and values (a recurrent or linear-attention state would read the padding) and activations are not
+        fp16 (whose eager additive mask can turn a fully padded query row into NaN, which then reaches the real
+        rows through the cached values). Probed once per model, by a two-token pass."""
+        if getattr(self, "_pads_safely", None) is None:
+            with torch.no_grad():
+                cache = self.model.get_decoder()(torch.ones(1, 2, dtype=torch.long, device=self.device),
+                                                 use_cache=True).past_key_values
+            layers = getattr(cache, "layers", None)
+            fp16 = torch.float16 in (self.model.dtype, self.mixed_precision_dtype)
+            self._pads_safely = not fp16 and bool(layers) and all(isinstance(layer, DynamicLayer) for layer in layers)
+        return self._pads_safely
+
     @torch.no_grad()
     def _shared_batch(self, items: list[list[Request]]) -> list[list[Answer]] | None:
         """Items (each the requests of one context of at least two tokens) scored together. The contexts but
@@ -95,7 +111,7 @@ class SharedContextLM(HFLM):
         dev = self.device
         prefixes = [group[0][1][:-1] for group in items]
         conts = [(group[0][1][-1], continuation) for group in items for _, _, continuation in group]
-        owner = torch.tensor([b for b, group in enumerate(items) for _ in group], device=dev)
+        owner = torch.tensor([b for b, group in enumerate(items) for _ in group])  # CPU: indexes any cache device
         P, W = max(len(p) for p in prefixes), max(len(c) for _, c in conts)
         ids = torch.zeros(len(items), P, dtype=torch.long, device=dev)
         mask = torch.zeros(len(items), P, dtype=torch.long, device=dev)
@@ -115,7 +131,8 @@ class SharedContextLM(HFLM):
             if not hasattr(cache, "batch_select_indices"):
                 return None
             cache.batch_select_indices(owner)
-            positions = lengths[owner, None] + torch.arange(W, device=dev)[None]
+            start = lengths[owner, None]  # padding stays at a real position: never past max_length, nor rescaling RoPE
+            positions = torch.where(row_mask.bool(), start + torch.arange(W, device=dev)[None], start)
             logits = self.model(rows, attention_mask=torch.cat([mask[owner], row_mask], -1), position_ids=positions,
                                 past_key_values=cache, use_cache=True).logits
         real = row_mask.bool()

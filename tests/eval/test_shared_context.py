@@ -76,8 +76,23 @@ def test_the_same_loglikelihoods_as_hflm(models, lrkv_model, which, batch_size):
     assert any(greedy for _, greedy in want) and not all(greedy for _, greedy in want)
     # Every context but its last token ran once per item, not once per choice.
     assert 0 < seen["shared"] < 0.75 * seen["plain"], seen
-    # Two passes a batch of items (contexts, then choices), after HFLM's own batches of the other 5 requests.
-    assert calls["shared"] == {4: 2 + 2 * 3, 8: 1 + 2 * 2, 16: 1 + 2 * 1}[batch_size], calls
+    # Two passes a batch of items (contexts, then choices), after HFLM's own batches of the other 5 requests and
+    # the one two-token pass that asks whether the model's cache may be padded.
+    assert calls["shared"] == {4: 2 + 1 + 2 * 3, 8: 1 + 1 + 2 * 2, 16: 1 + 1 + 2 * 1}[batch_size], calls
+
+
+def test_fp16_runs_one_item_a_batch(models):
+    """fp16's eager mask can turn a fully padded context row into NaN, so no context is padded there."""
+    path = str(models["mla"])
+    shared = SharedContextLM(pretrained=path, tokenizer=path, device="cpu", dtype="float16", batch_size=16)
+    assert not shared._may_pad()
+    calls = []
+    shared.model.get_input_embeddings().register_forward_hook(lambda *_: calls.append(1))
+    requests = _requests(shared.model.config.vocab_size)
+    got = shared._loglikelihood_tokens(requests, disable_tqdm=True)
+    assert len(got) == len(requests) and all(lp == lp for lp, _ in got)  # no NaN
+    assert len(calls) == 1 + 2 * 3  # HFLM's one batch of the other 5 requests, then two passes an item
+    assert SharedContextLM(pretrained=path, tokenizer=path, device="cpu", dtype="float32", batch_size=16)._may_pad()
 
 
 def test_batches_fill_up_to_the_width_with_whole_items():
