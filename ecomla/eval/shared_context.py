@@ -3,9 +3,9 @@
 lm-eval scores a multiple-choice item as one loglikelihood request per choice, each the whole context plus
 that choice, so a 4-choice item runs its context 4 times. `SharedContextLM` groups the requests that share
 a context (the choices of one item), runs the context once into the model's KV cache, and runs all the
-choices together on copies of that cache. Several items go in one batch: their contexts (but the last tokens) left-padded into one
-prefix pass (masked, with each row's own positions), then every choice of every item, right-padded, as one
-batch on the copy of its item's cache, up to `batch_size` choices a batch (at least one item; one item a batch
+choices together on copies of that cache. Several items go in one batch: their contexts (but the last
+tokens) left-padded into one prefix pass (masked, with each row's own positions), then every choice of every
+item, right-padded, as one batch on the copy of its item's cache, up to `batch_size` choices a batch (at least one item; one item a batch
 under `batch_size: auto`). The numbers are HFLM's (the same log-probabilities of the same tokens, to float
 rounding: `tests/eval/test_shared_context.py` compares the two request by request); only the work changes.
 Requests without a shared context of at least two tokens (perplexity windows, whose first windows share only
@@ -55,6 +55,9 @@ class SharedContextLM(HFLM):
             if self.backend == "causal" and len(context) > 1 and len(context) + len(continuation) <= self.max_length + 1:
                 groups[tuple(context)].append(i)
         shared = [members for members in groups.values() if len(members) > 1]
+        copies, pads = self._cache_support() if shared else (False, False)
+        if not copies:  # no cache to copy across a batch: every request through HFLM
+            shared = []
         in_shared = {i for members in shared for i in members}
         results: list[Answer | None] = [None] * len(requests)
         rest = [i for i in range(len(requests)) if i not in in_shared]
@@ -65,20 +68,16 @@ class SharedContextLM(HFLM):
         # Longest choice first, then longest context (HFLM also sorts longest first): a batch's rows pad little.
         shared.sort(key=lambda members: (-max(len(requests[i][2]) for i in members), -len(requests[members[0]][1])))
         size = override_bs or self.batch_size
-        width = size if isinstance(size, int) and shared and self._may_pad() else 1
+        width = size if isinstance(size, int) and pads else 1
         bar = tqdm(total=len(shared), desc="Running loglikelihood requests (shared contexts)",
                    disable=disable_tqdm or self.rank != 0)
         for batch in batches(shared, width):
             items = [[requests[i] for i in members] for members in batch]
             answered = self._shared_batch(items)
-            if answered is None:  # the model's cache cannot be copied across a batch: plain HFLM for these items
-                answered = [super(SharedContextLM, self)._loglikelihood_tokens(group, True, override_bs)
-                            for group in items]
-            else:
-                for group, answers in zip(items, answered):
-                    for request, answer in zip(group, answers):
-                        if request[0] is not None:  # as HFLM: requests without a key are not cached
-                            self.cache_hook.add_partial("loglikelihood", request[0], answer)
+            for group, answers in zip(items, answered):
+                for request, answer in zip(group, answers):
+                    if request[0] is not None:  # as HFLM: requests without a key are not cached
+                        self.cache_hook.add_partial("loglikelihood", request[0], answer)
             for members, answers in zip(batch, answered):
                 for i, answer in zip(members, answers):
                     results[i] = answer
@@ -86,22 +85,25 @@ class SharedContextLM(HFLM):
         bar.close()
         return results  # type: ignore[return-value]
 
-    def _may_pad(self) -> bool:
-        """Whether items may share a batch. Left padding is safe when every cache layer holds an attention layer's
-        keys and values (a recurrent or linear-attention state would read the padding) and activations are not
-        fp16 (whose eager additive mask can turn a fully padded query row into NaN, which then reaches the real
-        rows through the cached values). Probed once per model, by a two-token pass."""
-        if getattr(self, "_pads_safely", None) is None:
+    def _cache_support(self) -> tuple[bool, bool]:
+        """(copies, pads), probed once per model by a two-token pass: whether its cache can be copied across a
+        batch (if not, shared contexts go through HFLM), and whether items may share a batch. Left padding is safe
+        when every cache layer holds an attention layer's keys and values (a recurrent or linear-attention state
+        would read the padding) and activations are not fp16 (whose eager additive mask can turn a fully padded
+        query row into NaN, which then reaches the real rows through the cached values)."""
+        if getattr(self, "_support", None) is None:
             with torch.no_grad():
                 cache = self.model.get_decoder()(torch.ones(1, 2, dtype=torch.long, device=self.device),
                                                  use_cache=True).past_key_values
+            copies = hasattr(cache, "batch_select_indices")
             layers = getattr(cache, "layers", None)
             fp16 = torch.float16 in (self.model.dtype, self.mixed_precision_dtype)
-            self._pads_safely = not fp16 and bool(layers) and all(isinstance(layer, DynamicLayer) for layer in layers)
-        return self._pads_safely
+            self._support = (copies, copies and not fp16 and bool(layers)
+                             and all(isinstance(layer, DynamicLayer) for layer in layers))
+        return self._support
 
     @torch.no_grad()
-    def _shared_batch(self, items: list[list[Request]]) -> list[list[Answer]] | None:
+    def _shared_batch(self, items: list[list[Request]]) -> list[list[Answer]]:
         """Items (each the requests of one context of at least two tokens) scored together. The contexts but
         their last tokens, left-padded, into the cache in one pass; then, on each item's copy of its cache row,
         every choice's tokens (the context's last token, then the choice but its last token), right-padded, as
@@ -128,8 +130,6 @@ class SharedContextLM(HFLM):
         with torch.autocast(device_type=dev.type, dtype=mixed, enabled=mixed is not None):
             cache = self.model.get_decoder()(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
                                              use_cache=True).past_key_values  # no logits needed here
-            if not hasattr(cache, "batch_select_indices"):
-                return None
             cache.batch_select_indices(owner)
             start = lengths[owner, None]  # padding stays at a real position: never past max_length, nor rescaling RoPE
             positions = torch.where(row_mask.bool(), start + torch.arange(W, device=dev)[None], start)

@@ -85,14 +85,15 @@ def test_fp16_runs_one_item_a_batch(models):
     """fp16's eager mask can turn a fully padded context row into NaN, so no context is padded there."""
     path = str(models["mla"])
     shared = SharedContextLM(pretrained=path, tokenizer=path, device="cpu", dtype="float16", batch_size=16)
-    assert not shared._may_pad()
+    assert shared._cache_support() == (True, False)
     calls = []
     shared.model.get_input_embeddings().register_forward_hook(lambda *_: calls.append(1))
     requests = _requests(shared.model.config.vocab_size)
     got = shared._loglikelihood_tokens(requests, disable_tqdm=True)
     assert len(got) == len(requests) and all(lp == lp for lp, _ in got)  # no NaN
     assert len(calls) == 1 + 2 * 3  # HFLM's one batch of the other 5 requests, then two passes an item
-    assert SharedContextLM(pretrained=path, tokenizer=path, device="cpu", dtype="float32", batch_size=16)._may_pad()
+    fp32 = SharedContextLM(pretrained=path, tokenizer=path, device="cpu", dtype="float32", batch_size=16)
+    assert fp32._cache_support() == (True, True)
 
 
 def test_batches_fill_up_to_the_width_with_whole_items():
