@@ -24,6 +24,7 @@ from ecomla.convert.plan import MLAPlan, rope_covariance, source_inv_freq
 from ecomla.convert.source import LayerRunner, rotary_embedding
 from ecomla.convert.refit import refit_values
 from ecomla.convert.to_mla import (
+    DISTANCE_TOKENS,
     LatentObjective,
     LayerResult,
     SourceAttention,
@@ -32,6 +33,7 @@ from ecomla.convert.to_mla import (
     make_fitter,
     residual_rotation,
     source_pair_spectra,
+    read_attention,
 )
 from ecomla.convert.walk import embed, normalized_input, source_attention
 from ecomla.mla import engines, latent
@@ -52,17 +54,29 @@ def fit_layer(plan: MLAPlan, i: int, src: SourceAttention, y: torch.Tensor | Non
     method = init.method
     std = plan.config.initializer_range
     needs_cov = y is not None and (method == "activation" or (geo.rope_key == "rorope_act" and src.k_b is None))
-    y_cov = latent.second_moment(y) if needs_cov else None  # computed once for the activation fits and the RoPE key
-    fit_kv = make_fitter(method, y, init.ridge, gen, std, latent_scale=geo.latent_scale, y_cov=y_cov)
+    # One pass of the source attention over the calibration blocks, for what reads it: init.token_weights (each
+    # token's weight in the fits of what keys and values hold: the K/V latent and the RoPE key; the query latent
+    # serves every query alike) and rope_residual_distances=attention.
+    want_weights = y is not None and init.token_weights == "attention"
+    want_distances = (y is not None and geo.residual_dim > 0 and geo.rope_residual == "latent_mean"
+                      and plan.recipe.mla.rope_residual_distances == "attention")
+    reading = None
+    if want_weights or want_distances:
+        reading = read_attention(geo, src, y, init.calibration.seq_len, source_inv_freq(plan.source),
+                                 distance_tokens=DISTANCE_TOKENS if want_distances else 0, received=want_weights)
+    weights = reading.received.pow(init.token_weight_power) if want_weights else None
+    y_cov = latent.second_moment(y, weights) if needs_cov else None  # once for the activation fits and the RoPE key
+    fit_kv = make_fitter(method, y, init.ridge, gen, std, latent_scale=geo.latent_scale, y_cov=y_cov, weights=weights)
     fit_q = None
     if geo.q_lora_rank is not None:
-        fit_q = make_fitter("svd" if method == "random" else method, y, init.ridge, gen, std, y_cov=y_cov)
-    rope_cov = rope_covariance(geo, y, src, y_cov)
+        q_cov = y_cov if weights is None else None
+        fit_q = make_fitter("svd" if method == "random" else method, y, init.ridge, gen, std, y_cov=q_cov)
+    rope_cov = rope_covariance(geo, y, src, y_cov, weights)
     rotation = None
     if geo.residual_dim and geo.rope_residual == "latent_mean":  # the residual query rows' averaged rotation
         inv_freq = source_inv_freq(plan.source)
-        if plan.recipe.mla.rope_residual_distances == "attention":
-            rotation = attention_rotation(geo, layer.rope, src, y, init.calibration.seq_len, inv_freq)
+        if want_distances:
+            rotation = attention_rotation(geo, layer.rope, reading.distances, inv_freq)
         else:
             rotation = residual_rotation(geo, layer.rope, inv_freq, plan.rope_residual_context)
     objective = LatentObjective(init.objective, init.key_weight, init.kv_balance)

@@ -378,14 +378,14 @@ def energy_splits(source: SourceModel, geo: MLAGeometry, slots: list[torch.Tenso
 
 
 def rope_covariance(geo: MLAGeometry, y: torch.Tensor | None, src: SourceAttention,
-                    y_cov: torch.Tensor | None = None) -> torch.Tensor | None:
+                    y_cov: torch.Tensor | None = None, weights: torch.Tensor | None = None) -> torch.Tensor | None:
     """rorope_act: the second moment of the key's inputs, y or [y; 1] with a key bias; None for the other modes.
-    y_cov: y's second moment when the caller has it."""
+    y_cov: y's second moment when the caller has it; weights: each input's weight (init.token_weights)."""
     if geo.rope_key != "rorope_act":
         return None
     if src.k_b is None:
-        return latent.second_moment(y) if y_cov is None else y_cov
-    return latent.second_moment(torch.cat([y, torch.ones(len(y), 1, dtype=y.dtype)], 1))
+        return latent.second_moment(y, weights) if y_cov is None else y_cov
+    return latent.second_moment(torch.cat([y, torch.ones(len(y), 1, dtype=y.dtype)], 1), weights)
 
 
 @dataclass(frozen=True)

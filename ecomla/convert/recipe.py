@@ -208,6 +208,18 @@ class InitConfig:
         1.0, help="objective=attention: weight of score errors against output errors; 1 weighs them as the "
         "layer's output feels them (how it was chosen: docs/convert.md#the-levers-of-best)"
     )
+    token_weights: Literal["uniform", "attention"] = knob(
+        "uniform",
+        help="How much each calibration token counts in the fits of the K/V latent and the RoPE key (method="
+        "activation; the query latent stays uniform). uniform: alike. attention: by the source attention mass it "
+        "receives in its block, averaged over the query heads (mean 1), since a key's or value's error reaches the "
+        "output through that attention: the heads' sink (a block's first token) counts for every query that reads "
+        "it. Measured on SmolLM2: docs/convert.md#calibration-tokens-weighed-by-the-attention-they-receive-inittoken_weights",
+    )
+    token_weight_power: float = knob(
+        1.0, help="token_weights=attention: each token's weight is its received attention mass to this power (1: the "
+        "mass itself; 0.5 tempers the sink's share; 0 is uniform)",
+    )
     refit: Literal["none", "values"] = knob(
         "none",
         help="After each layer's fit, values: refit the value rows of kv_b_proj and o_proj by least squares so the "
@@ -328,6 +340,15 @@ class ConvertRecipe:
                 if value != default:
                     problems.append(f"{key}: {value} fits the latent, but init.method random draws it; use "
                                     f"init.method activation or svd, or remove {key}")
+        if init.token_weight_power < 0:
+            problems.append(f"init.token_weight_power: must be >= 0, got {init.token_weight_power}")
+        if init.token_weight_power != 1.0 and init.token_weights == "uniform":
+            problems.append("init.token_weight_power: only token_weights attention reads it; set init.token_weights: "
+                            "attention, or remove init.token_weight_power")
+        if init.token_weights != "uniform" and init.method != "activation":
+            problems.append(f"init.token_weights: {init.token_weights} weighs the calibration tokens of the activation "
+                            f"fit, but init.method is {init.method}; use init.method activation, or remove "
+                            "init.token_weights")
         if init.objective == "attention" and init.kv_balance:
             problems.append("init.kv_balance: objective attention weighs keys against values itself; remove "
                             "init.kv_balance (or use objective kv)")

@@ -29,7 +29,7 @@ q_proj has no bias): it rides as an extra input coordinate fixed at 1.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +40,8 @@ from ecomla.mla.rope import RopeSplit
 from ecomla.mla.rope_key import (
     RopeKey,
     attention_distances,
+    causal_probs,
+    received_attention,
     RopeResidual,
     SharedRopeKey,
     fold_rotation,
@@ -219,23 +221,54 @@ def residual_rotation(geo: MLAGeometry, split: RopeSplit, inv_freq: torch.Tensor
 DISTANCE_TOKENS = 16384
 
 
-def attention_rotation(geo: MLAGeometry, split: RopeSplit, src: SourceAttention, y: torch.Tensor, seq_len: int,
-                       inv_freq: torch.Tensor, max_tokens: int = DISTANCE_TOKENS) -> torch.Tensor:
-    """rope_residual_distances=attention: (n_h, d_r/2, 2, 2), each query head's residual rotation averaged over
-    the distances its source attention reads on the calibration blocks y ((N·seq_len, d), unit gain): the first
-    max_tokens tokens of them (whole blocks, at least one)."""
+def source_probs(geo: MLAGeometry, src: SourceAttention, y: torch.Tensor, seq_len: int, inv_freq: torch.Tensor,
+                 n_blocks: int) -> Iterator[torch.Tensor]:
+    """The source layer's causal attention probabilities (`causal_probs`) on the first n_blocks blocks of y
+    ((N·seq_len, d), unit gain), a few blocks at a time."""
     d_h = geo.head_dim
-    n = min(y.shape[0] // seq_len, max(1, max_tokens // seq_len))
-    y = y[: n * seq_len]
     per_batch = max(1, 2 ** 26 // (geo.n_heads * seq_len * seq_len))  # ≤ 256 MB of probabilities at a time
-    weights = torch.zeros(geo.n_heads, seq_len, dtype=torch.float64)
-    for start in range(0, n, per_batch):
-        yb = y[start * seq_len:(start + per_batch) * seq_len].float()  # float32, as attention_distances reads them
+    for start in range(0, n_blocks, per_batch):
+        yb = y[start * seq_len:min(start + per_batch, n_blocks) * seq_len].float()  # float32, as causal_probs reads
         q = yb @ src.q_w.T.float() + (0 if src.q_b is None else src.q_b.float())
         k = yb @ src.k_w.T.float() + (0 if src.k_b is None else src.k_b.float())
-        weights += attention_distances(q.view(-1, seq_len, geo.n_heads, d_h), k.view(-1, seq_len, geo.n_kv, d_h),
-                                       inv_freq, d_h ** -0.5)
-    return torch.stack([residual_fold(split.rope_rows, output_pairs(geo), d_h, inv_freq, w) for w in weights])
+        yield causal_probs(q.view(-1, seq_len, geo.n_heads, d_h), k.view(-1, seq_len, geo.n_kv, d_h), inv_freq,
+                           d_h ** -0.5)
+
+
+@dataclass
+class AttentionReading:
+    """What the source layer's attention does on the calibration blocks, read in one pass (`read_attention`)."""
+
+    distances: torch.Tensor | None  # (n_h, seq_len): rope_residual_distances=attention's histogram
+    received: torch.Tensor | None  # (N·seq_len,): init.token_weights=attention's per-token mass (mean 1)
+
+
+def read_attention(geo: MLAGeometry, src: SourceAttention, y: torch.Tensor, seq_len: int, inv_freq: torch.Tensor, *,
+                   distance_tokens: int = 0, received: bool = False) -> AttentionReading:
+    """One pass of the source layer's attention over the calibration blocks y ((N·seq_len, d), unit gain).
+
+    distance_tokens > 0: the mass each query head puts at each distance (`attention_distances`), on the first
+    distance_tokens tokens (whole blocks, at least one; DISTANCE_TOKENS in a conversion). received: the mass each
+    token receives in its block, averaged over the query heads (`received_attention`), on every block."""
+    n_all = y.shape[0] // seq_len
+    n_dist = min(n_all, max(1, distance_tokens // seq_len)) if distance_tokens > 0 else 0
+    distances, masses, done = None, [], 0
+    for probs in source_probs(geo, src, y, seq_len, inv_freq, n_all if received else n_dist):
+        if done < n_dist:
+            part = attention_distances(probs[: n_dist - done])
+            distances = part if distances is None else distances + part
+        if received:
+            masses.append(received_attention(probs).reshape(-1))
+        done += probs.shape[0]
+    return AttentionReading(distances, torch.cat(masses) if received else None)
+
+
+def attention_rotation(geo: MLAGeometry, split: RopeSplit, distances: torch.Tensor,
+                       inv_freq: torch.Tensor) -> torch.Tensor:
+    """rope_residual_distances=attention: (n_h, d_r/2, 2, 2), each query head's residual rotation averaged over
+    the distances its source attention reads (`read_attention`'s (n_h, seq_len) histogram)."""
+    return torch.stack([residual_fold(split.rope_rows, output_pairs(geo), geo.head_dim, inv_freq, w)
+                        for w in distances])
 
 
 def source_pair_spectra(geo: MLAGeometry, src: SourceAttention, cov: torch.Tensor | None = None) -> torch.Tensor:
@@ -283,7 +316,8 @@ def balance_scale(M: torch.Tensor, key_rows: torch.Tensor, cov: torch.Tensor | N
 
 
 def make_fitter(method: str, y: torch.Tensor | None, ridge: float, gen: torch.Generator, std: float,
-                latent_scale: float = 1.0, y_cov: torch.Tensor | None = None) -> LatentFit:
+                latent_scale: float = 1.0, y_cov: torch.Tensor | None = None,
+                weights: torch.Tensor | None = None) -> LatentFit:
     """The latent fit of one layer (`init.method`; the math is `ecomla.mla.latent`'s).
 
     svd: the weights' top singular directions; activation: the top directions of M under the inputs'
@@ -291,7 +325,8 @@ def make_fitter(method: str, y: torch.Tensor | None, ridge: float, gen: torch.Ge
     the stock initializer, N(0, std), for both projections. A query bias rides as a constant-1 input
     coordinate when M has d + 1 columns. basis_rows (optional, `BasisRows`): the rows the basis is
     fitted to, the up-projection still to M itself. latent_scale a: the basis rows are a·Q (the
-    up-projection fitted to what the norm makes of them). y_cov: y's second moment when the caller has it.
+    up-projection fitted to what the norm makes of them). y_cov: y's second moment when the caller has it (under
+    the weights, if any). weights (N,): each input's weight in the activation fit (init.token_weights).
     """
 
     def fit(M: torch.Tensor, rank: int, width: int, basis_rows: BasisRows | None = None) -> tuple[Basis, torch.Tensor]:
@@ -303,10 +338,10 @@ def make_fitter(method: str, y: torch.Tensor | None, ridge: float, gen: torch.Ge
             plain = y.shape[1] == M.shape[1]
             ya = y if plain else torch.cat([y, torch.ones(y.shape[0], 1, dtype=y.dtype)], dim=1)
             ya = ya.double()
-            cov = y_cov if plain and y_cov is not None else latent.second_moment(ya)
+            cov = y_cov if plain and y_cov is not None else latent.second_moment(ya, weights)
             basis = latent.activation_basis(M if basis_rows is None else basis_rows(cov), cov, rank)
             basis = scaled(basis, latent_scale)
-            return basis, latent.up_from_activations(M, pad_rows(basis.rows, width), ya, ridge=ridge)
+            return basis, latent.up_from_activations(M, pad_rows(basis.rows, width), ya, ridge=ridge, weights=weights)
         rows = torch.randn(rank, M.shape[1], generator=gen, dtype=torch.float64) * std
         up = torch.randn(M.shape[0], width, generator=gen, dtype=torch.float64) * std
         return Basis(rows=rows, spectrum=torch.zeros(0), energy_kept=float("nan")), up

@@ -156,8 +156,10 @@ def up_from_activations(
     *,
     eps: float = LATENT_NORM_EPS,
     ridge: float = 1e-6,
+    weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Least-squares B minimizing Σ‖M·y − B·RMSNorm(Q·y)‖² over calibration inputs y (N, d).
+    """Least-squares B minimizing Σ w·‖M·y − B·RMSNorm(Q·y)‖² over calibration inputs y (N, d), each token
+    weighted by w (N,; all 1 when None).
 
     This fits the up-projection to what the stock model will actually see after
     the latent norm, so the norm's token-to-token scale is absorbed as well as a
@@ -165,16 +167,20 @@ def up_from_activations(
     """
     M, rows, y = M.double(), rows.double(), y.double()
     n = rms_normalize(y @ rows.T, eps)  # (N, r)
-    gram = n.T @ n  # (r, r)
-    cross = y.T @ n  # (d, r)
+    wn = n if weights is None else n * weights.double()[:, None]
+    gram = n.T @ wn  # (r, r)
+    cross = y.T @ wn  # (d, r)
     reg = ridge * float(gram.diagonal().mean()) * torch.eye(gram.shape[0], dtype=gram.dtype)
     return torch.linalg.solve(gram + reg, (M @ cross).T).T
 
 
-def second_moment(y: torch.Tensor) -> torch.Tensor:
-    """E[y·yᵀ] (d, d) in float64."""
+def second_moment(y: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """E[y·yᵀ] (d, d) in float64; with weights w (N,), the w-weighted mean Σ w·y·yᵀ / Σ w."""
     y = y.double()
-    return y.T @ y / max(1, y.shape[0])
+    if weights is None:
+        return y.T @ y / max(1, y.shape[0])
+    w = weights.double()
+    return (y * w[:, None]).T @ y / float(w.sum())
 
 
 def relative_error(true: torch.Tensor, approx: torch.Tensor) -> float:

@@ -176,9 +176,8 @@ def rotation_mean(inv_freq: torch.Tensor, weights: torch.Tensor) -> torch.Tensor
     return torch.stack([(w[:, None] * angle.cos()).sum(0), (w[:, None] * angle.sin()).sum(0)], dim=1)
 
 
-def attention_distances(q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor, scale: float) -> torch.Tensor:
-    """(n_h, T): the causal attention mass each query head puts at each distance Δ = query − key position,
-    summed over the queries of the blocks (rope_residual_distances=attention).
+def causal_probs(q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor, scale: float) -> torch.Tensor:
+    """(N, n_h, T, T): each query head's causal attention probabilities over the keys of its block.
 
     q (N, T, n_h, d_h), k (N, T, n_kv, d_h): pre-RoPE queries and keys in the half-wise layout (pair j
     is dims j and j + d_h/2, turned by inv_freq[j] per position); scale: the softmax scale. GQA key
@@ -194,11 +193,26 @@ def attention_distances(q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor
         return x * cos[None, :, None] + turned * sin[None, :, None]
 
     causal = torch.ones(T, T, dtype=torch.bool).tril()
-    distance = (torch.arange(T)[:, None] - torch.arange(T)[None, :])[causal]
     qr = rotate(q.float()).transpose(1, 2)  # (N, n_h, T, d_h)
     kr = rotate(k.float()).transpose(1, 2).repeat_interleave(n_h // k.shape[2], dim=1)
-    probs = (qr @ kr.transpose(-1, -2) * scale).masked_fill(~causal, float("-inf")).softmax(-1).sum(0)
-    return torch.stack([torch.bincount(distance, weights=probs[h][causal].double(), minlength=T) for h in range(n_h)])
+    return (qr @ kr.transpose(-1, -2) * scale).masked_fill(~causal, float("-inf")).softmax(-1)
+
+
+def attention_distances(probs: torch.Tensor) -> torch.Tensor:
+    """(n_h, T): the causal attention mass each query head puts at each distance Δ = query − key position,
+    summed over the blocks of `causal_probs`' (N, n_h, T, T) probabilities (rope_residual_distances=attention)."""
+    n_h, T = probs.shape[1], probs.shape[-1]
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    distance = (torch.arange(T)[:, None] - torch.arange(T)[None, :])[causal]
+    summed = probs.sum(0)
+    return torch.stack([torch.bincount(distance, weights=summed[h][causal].double(), minlength=T) for h in range(n_h)])
+
+
+def received_attention(probs: torch.Tensor) -> torch.Tensor:
+    """(N, T): the attention mass each key position receives from the queries of its block, averaged over the
+    query heads, from `causal_probs`' (N, n_h, T, T). Every query gives away 1, so a block's masses sum to T
+    (mean 1 per token); a first token that serves as the heads' sink receives a large share of them."""
+    return probs.double().sum(2).mean(1)
 
 
 def residual_fold(

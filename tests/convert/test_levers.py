@@ -126,6 +126,9 @@ def test_linear_latent_error_falls_with_rank(source_factory, corpus_dir, tmp_pat
     ({}, {"objective": "attention", "kv_balance": True}, "init.kv_balance: objective attention weighs keys"),
     ({"rope_residual_distances": "attention", "rope_key": "mean"}, {}, "mla.rope_residual_distances: attention weighs"),
     ({}, {"key_weight": 0.0}, "init.key_weight: must be > 0"),
+    ({}, {"method": "svd", "token_weights": "attention"}, "init.token_weights: attention weighs the calibration"),
+    ({}, {"token_weight_power": 0.5}, "init.token_weight_power: only token_weights attention reads it"),
+    ({}, {"token_weights": "attention", "token_weight_power": -1.0}, "init.token_weight_power: must be >= 0"),
     ({}, {"refit_ridge": -1.0}, "init.refit_ridge: must be >= 0"),
 ])
 def test_lever_keys_are_refused_where_they_would_be_ignored(source_factory, tmp_path, mla, init, needle):
@@ -233,8 +236,9 @@ def test_the_source_walk_hands_refit_the_attention_output_it_computes(source_fac
 
 
 def test_attention_distances_read_the_first_blocks_only(source_factory):
-    """rope_residual_distances=attention reads at most max_tokens tokens (DISTANCE_TOKENS in a conversion): more
-    blocks after them change nothing, fewer blocks do."""
+    """rope_residual_distances=attention reads at most distance_tokens tokens (DISTANCE_TOKENS in a conversion):
+    more blocks after them change nothing, also when the same pass reads every block's received masses; fewer
+    blocks do."""
     from ecomla.convert import to_mla
     from ecomla.convert.plan import source_inv_freq
     from ecomla.convert.source import inspect_source
@@ -250,10 +254,49 @@ def test_attention_distances_read_the_first_blocks_only(source_factory):
     split = rope_split("high", shape.head_dim, 8, interleave=True)
     T, inv_freq = 16, source_inv_freq(source)
     y = torch.randn(6 * T, shape.hidden_size, generator=torch.Generator().manual_seed(1))
-    first = to_mla.attention_rotation(geo, split, src, y[: 3 * T], T, inv_freq, max_tokens=3 * T)
-    assert torch.equal(to_mla.attention_rotation(geo, split, src, y, T, inv_freq, max_tokens=3 * T), first)
-    assert not torch.allclose(to_mla.attention_rotation(geo, split, src, y[: 2 * T], T, inv_freq, max_tokens=3 * T), first)
+
+    def rotation(blocks: torch.Tensor, received: bool = False) -> torch.Tensor:
+        reading = to_mla.read_attention(geo, src, blocks, T, inv_freq, distance_tokens=3 * T, received=received)
+        return to_mla.attention_rotation(geo, split, reading.distances, inv_freq)
+
+    first = rotation(y[: 3 * T])
+    assert torch.equal(rotation(y), first)
+    assert torch.equal(rotation(y, received=True), first)  # read in the same pass as every block's masses
+    assert not torch.allclose(rotation(y[: 2 * T]), first)
     assert to_mla.DISTANCE_TOKENS == 16384
+
+
+def test_token_weights_are_the_attention_each_token_receives_in_the_source_layer(source_factory):
+    """init.token_weights=attention: each calibration token's weight is the attention mass transformers' own
+    source layer (eager, with its RoPE and GQA) gives it in its block, averaged over the query heads; mean 1."""
+    from ecomla.convert import to_mla
+    from ecomla.convert.plan import source_inv_freq
+    from ecomla.convert.source import LayerRunner, causal_mask, inspect_source
+    from ecomla.convert.walk import layer_tensors, normalized_input, source_attention
+
+    source = inspect_source(str(source_factory("llama")))
+    shape, cfg = source.shape, source.config
+    t = layer_tensors(source.reader, 1)
+    geo = to_mla.MLAGeometry(hidden=shape.hidden_size, n_heads=shape.num_heads, n_kv=shape.num_kv_heads,
+                             head_dim=shape.head_dim, qk_rope_head_dim=8, kv_lora_rank=16, q_lora_rank=None,
+                             query_scale=1.0, attention_bias=False, rope_key="rorope_act", rope_residual="latent_mean")
+    N, T = 3, 24
+    h = torch.randn(N, T, shape.hidden_size, generator=torch.Generator().manual_seed(2)) * 3
+    reading = to_mla.read_attention(geo, source_attention(t), normalized_input(h, cfg.rms_norm_eps), T,
+                                    source_inv_freq(source), received=True)
+    assert reading.distances is None
+    got = reading.received.view(N, T)
+    runner = LayerRunner(cfg, torch.device("cpu"), attn_implementation="eager")
+    layer = runner.build(1, t)
+    pos = torch.arange(T)[None]
+    with torch.no_grad():
+        x = layer.input_layernorm(h)
+        _, probs = layer.self_attn(x, position_embeddings=runner.rotary(x, pos),
+                                   attention_mask=causal_mask(T, torch.float32, torch.device("cpu")))
+    expected = probs.double().sum(2).mean(1)  # (N, T): each key's received mass, mean over query heads
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got.mean(1), torch.ones(N, dtype=torch.float64))
+    assert float(got[:, 0].min()) > 1.0  # the first key is read by every query
 
 
 def _next_states_match_a_run(out_dir: Path) -> None:

@@ -273,3 +273,18 @@ def test_second_moment():
     expected = sum(torch.outer(v, v) for v in y) / 300
     assert_close(second_moment(y.float()), expected, rtol=1e-5, atol=1e-6)
     assert second_moment(y.float()).dtype == F64
+
+
+def test_token_weights_count_as_repeated_tokens():
+    """init.token_weights: an integer weight w counts a token as w copies of it, in the second moment and in the
+    up-projection's least squares (below full rank, where the weights change the fit)."""
+    g = _gen(13)
+    d, m, r = 12, 20, 4
+    M, y = _randn(m, d, g=g), _randn(60, d, g=g)
+    w = torch.randint(1, 5, (60,), generator=g).double()
+    repeated = y.repeat_interleave(w.long(), dim=0)
+    assert_close(second_moment(y, w), second_moment(repeated), rtol=1e-10, atol=1e-12)
+    rows = activation_basis(M, second_moment(y, w), r).rows
+    assert_close(up_from_activations(M, rows, y, weights=w), up_from_activations(M, rows, repeated),
+                 rtol=1e-8, atol=1e-10)
+    assert not torch.allclose(up_from_activations(M, rows, y, weights=w), up_from_activations(M, rows, y), rtol=1e-3)
