@@ -210,11 +210,11 @@ class InitConfig:
     )
     token_weights: Literal["uniform", "attention"] = knob(
         "uniform",
-        help="How much each calibration token counts in the fits of the K/V latent and the RoPE key (method="
-        "activation; the query latent stays uniform). uniform: alike. attention: by the source attention mass it "
-        "receives in its block, averaged over the query heads (mean 1), since a key's or value's error reaches the "
-        "output through that attention: the heads' sink (a block's first token) counts for every query that reads "
-        "it. Measured on SmolLM2: docs/convert.md#calibration-tokens-weighed-by-the-attention-they-receive-inittoken_weights",
+        help="How much each calibration token counts in the fits of the K/V latent and, with rope_key rorope_act, the "
+        "RoPE key (method=activation; the query latent stays uniform). uniform: alike. attention: by the source "
+        "attention mass it receives in its block, averaged over the query heads (mean 1), since a key's or value's "
+        "error reaches the output through that attention: the heads' sink (a block's first token) counts for every "
+        "query that reads it. Measured on SmolLM2: docs/convert.md#calibration-tokens-weighed-by-the-attention-they-receive-inittoken_weights",
     )
     token_weight_power: float = knob(
         1.0, help="token_weights=attention: each token's weight is its received attention mass to this power (1: the "

@@ -219,14 +219,15 @@ def residual_rotation(geo: MLAGeometry, split: RopeSplit, inv_freq: torch.Tensor
 # blocks): past it the full attention matrices it needs cost more than the rest of a `best` layer's fit
 # (docs/convert.md, "What a calibration token costs").
 DISTANCE_TOKENS = 16384
+PROBS_PER_BATCH = 2 ** 26  # float32 attention probabilities held at a time by `source_probs`: 256 MB
 
 
 def source_probs(geo: MLAGeometry, src: SourceAttention, y: torch.Tensor, seq_len: int, inv_freq: torch.Tensor,
-                 n_blocks: int) -> Iterator[torch.Tensor]:
+                 n_blocks: int, max_probs: int = PROBS_PER_BATCH) -> Iterator[torch.Tensor]:
     """The source layer's causal attention probabilities (`causal_probs`) on the first n_blocks blocks of y
     ((N·seq_len, d), unit gain), a few blocks at a time."""
     d_h = geo.head_dim
-    per_batch = max(1, 2 ** 26 // (geo.n_heads * seq_len * seq_len))  # ≤ 256 MB of probabilities at a time
+    per_batch = max(1, max_probs // (geo.n_heads * seq_len * seq_len))  # whole blocks, ≤ max_probs at a time
     for start in range(0, n_blocks, per_batch):
         yb = y[start * seq_len:min(start + per_batch, n_blocks) * seq_len].float()  # float32, as causal_probs reads
         q = yb @ src.q_w.T.float() + (0 if src.q_b is None else src.q_b.float())
@@ -244,16 +245,20 @@ class AttentionReading:
 
 
 def read_attention(geo: MLAGeometry, src: SourceAttention, y: torch.Tensor, seq_len: int, inv_freq: torch.Tensor, *,
-                   distance_tokens: int = 0, received: bool = False) -> AttentionReading:
+                   distance_tokens: int = 0, received: bool = False,
+                   max_probs: int = PROBS_PER_BATCH) -> AttentionReading:
     """One pass of the source layer's attention over the calibration blocks y ((N·seq_len, d), unit gain).
 
     distance_tokens > 0: the mass each query head puts at each distance (`attention_distances`), on the first
     distance_tokens tokens (whole blocks, at least one; DISTANCE_TOKENS in a conversion). received: the mass each
-    token receives in its block, averaged over the query heads (`received_attention`), on every block."""
+    token receives in its block, averaged over the query heads (`received_attention`), on every block: one weight
+    per row of y, so y must be whole blocks. max_probs: attention probabilities held at a time."""
     n_all = y.shape[0] // seq_len
+    if n_all == 0 or (received and y.shape[0] % seq_len):
+        raise ValueError(f"read_attention: {y.shape[0]} calibration rows are not whole blocks of seq_len {seq_len}")
     n_dist = min(n_all, max(1, distance_tokens // seq_len)) if distance_tokens > 0 else 0
     distances, masses, done = None, [], 0
-    for probs in source_probs(geo, src, y, seq_len, inv_freq, n_all if received else n_dist):
+    for probs in source_probs(geo, src, y, seq_len, inv_freq, n_all if received else n_dist, max_probs):
         if done < n_dist:
             part = attention_distances(probs[: n_dist - done])
             distances = part if distances is None else distances + part

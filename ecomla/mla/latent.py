@@ -166,6 +166,7 @@ def up_from_activations(
     linear map can. `ridge` is relative to the mean eigenvalue of the Gram matrix.
     """
     M, rows, y = M.double(), rows.double(), y.double()
+    _check_weights(weights, y)
     n = rms_normalize(y @ rows.T, eps)  # (N, r)
     wn = n if weights is None else n * weights.double()[:, None]
     gram = n.T @ wn  # (r, r)
@@ -179,8 +180,16 @@ def second_moment(y: torch.Tensor, weights: torch.Tensor | None = None) -> torch
     y = y.double()
     if weights is None:
         return y.T @ y / max(1, y.shape[0])
+    _check_weights(weights, y)
     w = weights.double()
     return (y * w[:, None]).T @ y / float(w.sum())
+
+
+def _check_weights(weights: torch.Tensor | None, y: torch.Tensor) -> None:
+    """Token weights, when given, are one per row of y."""
+    if weights is not None and tuple(weights.shape) != (y.shape[0],):
+        raise ValueError(f"token weights of shape {tuple(weights.shape)} for {y.shape[0]} calibration rows; give "
+                         "one weight per row")
 
 
 def relative_error(true: torch.Tensor, approx: torch.Tensor) -> float:

@@ -212,7 +212,7 @@ def received_attention(probs: torch.Tensor) -> torch.Tensor:
     """(N, T): the attention mass each key position receives from the queries of its block, averaged over the
     query heads, from `causal_probs`' (N, n_h, T, T). Every query gives away 1, so a block's masses sum to T
     (mean 1 per token); a first token that serves as the heads' sink receives a large share of them."""
-    return probs.double().sum(2).mean(1)
+    return probs.sum(2, dtype=torch.float64).mean(1)  # float64 sums without a float64 copy of every probability
 
 
 def residual_fold(

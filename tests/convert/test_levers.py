@@ -255,15 +255,27 @@ def test_attention_distances_read_the_first_blocks_only(source_factory):
     T, inv_freq = 16, source_inv_freq(source)
     y = torch.randn(6 * T, shape.hidden_size, generator=torch.Generator().manual_seed(1))
 
+    def read(blocks: torch.Tensor, received: bool = False, **kw) -> to_mla.AttentionReading:
+        return to_mla.read_attention(geo, src, blocks, T, inv_freq, distance_tokens=3 * T, received=received, **kw)
+
     def rotation(blocks: torch.Tensor, received: bool = False) -> torch.Tensor:
-        reading = to_mla.read_attention(geo, src, blocks, T, inv_freq, distance_tokens=3 * T, received=received)
-        return to_mla.attention_rotation(geo, split, reading.distances, inv_freq)
+        return to_mla.attention_rotation(geo, split, read(blocks, received).distances, inv_freq)
 
     first = rotation(y[: 3 * T])
     assert torch.equal(rotation(y), first)
     assert torch.equal(rotation(y, received=True), first)  # read in the same pass as every block's masses
     assert not torch.allclose(rotation(y[: 2 * T]), first)
     assert to_mla.DISTANCE_TOKENS == 16384
+    # Read one or four blocks at a time (the pass holds at most max_probs probabilities): the same histogram, only
+    # its first three blocks, and the same masses for every block
+    whole = read(y, received=True)
+    for per_pass in (1, 4):
+        parts = read(y, received=True, max_probs=per_pass * geo.n_heads * T * T)
+        torch.testing.assert_close(parts.distances, whole.distances, rtol=1e-6, atol=1e-9)
+        torch.testing.assert_close(parts.received, whole.received, rtol=1e-6, atol=1e-9)
+    assert whole.received.shape == (6 * T,)
+    with pytest.raises(ValueError, match="not whole blocks"):
+        read(y[: 5 * T + 3], received=True)
 
 
 def test_token_weights_are_the_attention_each_token_receives_in_the_source_layer(source_factory):
@@ -297,6 +309,41 @@ def test_token_weights_are_the_attention_each_token_receives_in_the_source_layer
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(got.mean(1), torch.ones(N, dtype=torch.float64))
     assert float(got[:, 0].min()) > 1.0  # the first key is read by every query
+
+
+def test_token_weights_reach_the_kv_latent_and_rope_key_but_not_the_query_latent(tmp_path):
+    """On the tiny world's trained base (peaked attention, a sink): token_weights attention moves the fitted latent
+    rows and the up-projection; the query latent (q_a_proj, q_b_proj) stays as the uniform fit made it when its
+    target does not depend on the weights (rope_key rorope, from the weights); with rorope_act the RoPE key's rows
+    move too. Power 0 is the uniform fit, bit for bit."""
+    cal = {**CALIBRATION, "num_tokens": 2048, "heldout_tokens": 0}
+
+    def weights(name: str, rope_key: str, **init) -> dict:
+        mla = {**BEFORE_MLA, "q_lora_rank": 64, "rope_key": rope_key}
+        convert(ZOO_BASE, tmp_path / name, mla=mla, init={"method": "activation", "calibration": cal, **init})
+        return load_file(tmp_path / name / "model.safetensors")
+
+    r_kv = BEFORE_MLA["kv_lora_rank"]
+
+    def moved(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return not torch.allclose(a, b, rtol=1e-3, atol=0)
+
+    uniform = weights("uniform", "rorope")
+    zero = weights("zero", "rorope", token_weights="attention", token_weight_power=0.0)
+    attw = weights("attw", "rorope", token_weights="attention")
+    assert all(torch.equal(uniform[k], zero[k]) for k in uniform)
+    act_uniform = weights("act-uniform", "rorope_act")
+    act_attw = weights("act-attw", "rorope_act", token_weights="attention")
+    for i in range(4):
+        p = f"model.layers.{i}.self_attn."
+        for name in ("q_a_proj.weight", "q_b_proj.weight"):
+            assert torch.equal(attw[p + name], uniform[p + name]), (i, name)
+        kv_a, kv_a0 = attw[p + "kv_a_proj_with_mqa.weight"], uniform[p + "kv_a_proj_with_mqa.weight"]
+        assert moved(kv_a[:r_kv], kv_a0[:r_kv]), i  # the latent rows
+        assert torch.equal(kv_a[r_kv:], kv_a0[r_kv:]), i  # rorope's RoPE key comes from the weights alone
+        assert moved(attw[p + "kv_b_proj.weight"], uniform[p + "kv_b_proj.weight"]), i
+        kv_a, kv_a0 = act_attw[p + "kv_a_proj_with_mqa.weight"], act_uniform[p + "kv_a_proj_with_mqa.weight"]
+        assert moved(kv_a[r_kv:], kv_a0[r_kv:]), i  # rorope_act's RoPE key, fitted to weighted key activations
 
 
 def _next_states_match_a_run(out_dir: Path) -> None:
