@@ -57,12 +57,13 @@ def fit_layer(plan: MLAPlan, i: int, src: SourceAttention, y: torch.Tensor | Non
     # One pass of the source attention over the calibration blocks, for what reads it: init.token_weights (each
     # token's weight in the fits of what keys and values hold: the K/V latent and the RoPE key; the query latent
     # serves every query alike) and rope_residual_distances=attention.
+    latent_mean = geo.residual_dim > 0 and geo.rope_residual == "latent_mean"  # the residual query rows' rotation
     want_weights = y is not None and init.token_weights == "attention"
-    want_distances = (y is not None and geo.residual_dim > 0 and geo.rope_residual == "latent_mean"
-                      and plan.recipe.mla.rope_residual_distances == "attention")
+    want_distances = y is not None and latent_mean and plan.recipe.mla.rope_residual_distances == "attention"
+    inv_freq = source_inv_freq(plan.source) if latent_mean or want_weights else None
     reading = None
     if want_weights or want_distances:
-        reading = read_attention(geo, src, y, init.calibration.seq_len, source_inv_freq(plan.source),
+        reading = read_attention(geo, src, y, init.calibration.seq_len, inv_freq,
                                  distance_tokens=DISTANCE_TOKENS if want_distances else 0, received=want_weights)
     weights = reading.received.pow(init.token_weight_power) if want_weights else None
     y_cov = latent.second_moment(y, weights) if needs_cov else None  # once for the activation fits and the RoPE key
@@ -73,8 +74,7 @@ def fit_layer(plan: MLAPlan, i: int, src: SourceAttention, y: torch.Tensor | Non
         fit_q = make_fitter("svd" if method == "random" else method, y, init.ridge, gen, std, y_cov=q_cov)
     rope_cov = rope_covariance(geo, y, src, y_cov, weights)
     rotation = None
-    if geo.residual_dim and geo.rope_residual == "latent_mean":  # the residual query rows' averaged rotation
-        inv_freq = source_inv_freq(plan.source)
+    if latent_mean:  # the residual query rows' averaged rotation
         if want_distances:
             rotation = attention_rotation(geo, layer.rope, reading.distances, inv_freq)
         else:
