@@ -22,16 +22,27 @@ from ecomla.distill.recipe import DataSource, DistillRecipe
 
 
 def documents(src: DataSource, tokenizer) -> Iterator[Doc]:
-    """Tokenized documents of a text or chat source, in order."""
+    """Tokenized documents of a text or chat source, in order, then those of each `mix` part."""
+    for part in (src, *src.mix):
+        yield from _limited(_source_documents(part, tokenizer), part.max_documents, part.max_tokens)
+
+
+def _source_documents(src: DataSource, tokenizer) -> Iterator[Doc]:
     if src.format == "text":
-        texts = iter_texts(src.dataset, text_field=src.text_field, split=src.split, subset=src.subset)
-        docs = text_documents(texts, tokenizer)
-    else:
-        rows = (row[src.messages_field] for row in iter_rows(src.dataset, split=src.split, subset=src.subset, field=src.messages_field))
-        docs = chat_documents(rows, tokenizer)
+        return text_documents(iter_texts(src.dataset, text_field=src.text_field, split=src.split, subset=src.subset),
+                              tokenizer)
+    rows = (row[src.messages_field] for row in iter_rows(src.dataset, split=src.split, subset=src.subset, field=src.messages_field))
+    return chat_documents(rows, tokenizer)
+
+
+def _limited(docs: Iterator[Doc], max_documents: int | None, max_tokens: int | None) -> Iterator[Doc]:
+    left = max_tokens
     for n, doc in enumerate(docs):
-        if src.max_documents is not None and n >= src.max_documents:
+        if (max_documents is not None and n >= max_documents) or (left is not None and left <= 0):
             return
+        if left is not None:
+            doc = Doc(doc.ids[:left], doc.loss_mask[:left])
+            left -= len(doc.ids)
         yield doc
 
 
@@ -47,9 +58,16 @@ def prepared_dir(output_dir: str, name: str) -> Path:
     return Path(output_dir) / "data" / name
 
 
+def source_meta(src: DataSource) -> dict:
+    """What a prepared shard directory records of the source it packed (and compares before reuse)."""
+    return {"source": src.dataset, "format": src.format, "max_documents": src.max_documents,
+            "max_tokens": src.max_tokens, "mix": [source_meta(p) for p in src.mix]}
+
+
 def _matches(meta: dict, src: DataSource, seq_len: int) -> bool:
-    return (meta.get("source"), meta.get("format"), meta.get("seq_len"), meta.get("max_documents")) == (
-        src.dataset, src.format, seq_len, src.max_documents)
+    want = {**source_meta(src), "seq_len": seq_len}
+    defaults = {"max_tokens": None, "mix": []}  # shards written before these keys existed
+    return all(meta.get(k, defaults.get(k)) == v for k, v in want.items())
 
 
 def open_dataset(src: DataSource, tokenizer, seq_len: int, what: str, output_dir: str | None = None):
@@ -94,8 +112,7 @@ def prepare_data(recipe: DistillRecipe, tokenizer, force: bool = False) -> list[
         if src is None or src.prepared is not None:
             continue
         out = prepared_dir(recipe.output_dir, name)
-        meta = {"source": src.dataset, "format": src.format, "max_documents": src.max_documents,
-                "tokenizer": str(getattr(tokenizer, "name_or_path", "")), "vocab_size": len(tokenizer)}
+        meta = {**source_meta(src), "tokenizer": str(getattr(tokenizer, "name_or_path", "")), "vocab_size": len(tokenizer)}
         with ShardWriter(out, recipe.data.seq_len, meta=meta, overwrite=force) as writer:
             n = writer.write_all(pack(documents(src, tokenizer), recipe.data.seq_len, pad_id(tokenizer)))
             if n == 0:

@@ -33,15 +33,39 @@ class DataSource:
         "text", help="text: every token is a target. chat: messages rendered with the chat template, prompt masked"
     )
     max_documents: int | None = knob(None, help="Read at most this many documents (null: all)")
+    max_tokens: int | None = knob(
+        None, help="Read at most this many tokens, the last document cut short (null: all); with mix, the share "
+        "of each source in a fixed mixture"
+    )
+    mix: list[DataSource] = knob(
+        default_factory=list, help="More text sources packed with this one, in order, each a mapping of dataset "
+        "and its own field/format/max_documents/max_tokens: a fixed mixture, e.g. all of a small domain and a "
+        "slice of a large one (training order is shuffled anyway)"
+    )
 
     def check(self) -> list[str]:
         from ecomla.data.text import is_endless
 
         if (self.prepared is None) == (self.dataset is None):
             return ["prepared: set exactly one of prepared and dataset"]
-        if is_endless(self.dataset) and self.max_documents is None:
+        if self.max_documents is not None and self.max_documents < 1:
+            return ["max_documents: must be at least 1 (null: all)"]
+        if self.max_tokens is not None and self.max_tokens < 1:
+            return ["max_tokens: must be at least 1 (null: all)"]
+        if is_endless(self.dataset) and self.max_documents is None and self.max_tokens is None:
             return [f"max_documents: {self.dataset} is an endless generated stream; set how many documents to read"]
-        return []
+        if self.mix and self.prepared is not None:
+            return ["mix: a prepared shard directory is already one mixture; pack the mixture with "
+                    "`ecomla prepare-data` (its recipe's data.train with this mix) and point prepared at it"]
+        problems = []
+        for i, part in enumerate(self.mix):
+            if part.mix:
+                problems.append(f"mix[{i}].mix: list every source in the top-level mix; mixes do not nest")
+            elif part.prepared is not None:
+                problems.append(f"mix[{i}].prepared: a mix part is tokenized at start-up; give its dataset")
+            else:
+                problems += [f"mix[{i}].{p}" for p in part.check()]
+        return problems
 
 
 @dataclass(kw_only=True)

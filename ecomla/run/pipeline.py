@@ -93,10 +93,11 @@ def _data_fingerprints(distill, seen: dict[str, str]) -> list[str]:
     out = []
     for src in (distill.data.train, distill.data.eval):
         if src is not None:
-            path = src.prepared or src.dataset
-            if path not in seen:
-                seen[path] = path_fingerprint(path)
-            out.append(seen[path])
+            for part in (src, *src.mix):
+                path = part.prepared or part.dataset
+                if path not in seen:
+                    seen[path] = path_fingerprint(path)
+                out.append(seen[path])
     return out
 
 
