@@ -385,6 +385,53 @@ def recipe_to_dict(obj: Any) -> dict:
     return _plain(obj)
 
 
+def _field_default(f: dataclasses.Field, parent_default: Any) -> Any:
+    """A field's default: the parent's default instance's value where there is one (it may differ from the class
+    defaults), else the field's own; MISSING for a required key."""
+    if parent_default is not None:
+        return getattr(parent_default, f.name)
+    if f.default is not MISSING:
+        return f.default
+    if f.default_factory is not MISSING:
+        return f.default_factory()
+    return MISSING
+
+
+def asks_the_same(old: dict, new: dict, cls: type, *, defaults: Any = None) -> bool:
+    """Whether `old`, a resolved recipe of `cls` as an earlier ecomla wrote it (`recipe_to_dict`), asks for what
+    `new`, this version's, asks for: every key of `old` has `new`'s value, and every key only `new` has (a knob
+    added since) is at its default, which by this project's rule is what the code did before the knob existed.
+    A key only `old` has (removed or renamed since) is a difference; a key left out of both (a path the caller
+    drops before hashing) is not compared. Lists of recipe classes are compared item by item."""
+    fields, hints = _schema(cls)
+    if set(old) - {f.name for f in fields}:
+        return False
+    for f in fields:
+        if f.name not in new:
+            if f.name in old:
+                return False
+            continue
+        default = _field_default(f, defaults)
+        if f.name not in old:
+            if default is MISSING or _plain(default) != new[f.name]:
+                return False
+            continue
+        was, now = old[f.name], new[f.name]
+        nested = _nested_class(hints[f.name])
+        args = typing.get_args(hints[f.name])
+        item = args[0] if typing.get_origin(hints[f.name]) is list and args else None
+        if nested is not None and isinstance(was, dict) and isinstance(now, dict):
+            same = asks_the_same(was, now, nested, defaults=default if isinstance(default, nested) else None)
+        elif dataclasses.is_dataclass(item) and isinstance(was, list) and isinstance(now, list):
+            same = len(was) == len(now) and all(isinstance(a, dict) and isinstance(b, dict)
+                                                and asks_the_same(a, b, item) for a, b in zip(was, now))
+        else:
+            same = was == now
+        if not same:
+            return False
+    return True
+
+
 def save_recipe(obj: Any, path: str | os.PathLike) -> None:
     """Write the resolved recipe as YAML (creating parent directories), in field order."""
     text = yaml.safe_dump(recipe_to_dict(obj), sort_keys=False, default_flow_style=False, allow_unicode=True)
@@ -413,14 +460,7 @@ def _describe_into(cls: type, prefix: str, defaults: Any, rows: list) -> None:
     fields, hints = _schema(cls)
     for f in fields:
         key = _join(prefix, f.name)
-        if defaults is not None:  # a parent's default instance may differ from the class defaults
-            default = getattr(defaults, f.name)
-        elif f.default is not MISSING:
-            default = f.default
-        elif f.default_factory is not MISSING:
-            default = f.default_factory()
-        else:
-            default = MISSING
+        default = _field_default(f, defaults)
         nested = _nested_class(hints[f.name])
         if default is MISSING:
             shown = "required"

@@ -23,6 +23,10 @@ upstream stage's key, the training data). Its outputs live in
 written there. So a rerun reuses finished stages, an edited recipe reruns only
 the stages whose key changed (and what depends on them), and an interrupted
 distillation resumes from its last checkpoint (same key, same directory).
+stage.json also keeps the hashed recipe and inputs, so that a later ecomla,
+whose new knobs change every key that hashes them, takes over a finished stage
+whose inputs are the same and whose recipe differs only by knobs added since,
+each at its default (`_adopt`).
 
 Under a launcher (`deepspeed --module ecomla.run`, `torchrun -m ecomla.run`)
 every rank takes part in the teacher caches and distillations; rank 0 alone
@@ -55,6 +59,22 @@ class Stage(CachedStage):
     dir: Path
     info: dict = field(default_factory=dict)  # point, ratio, preset, teacher, variant, part, tokens, ...
     of: Stage | None = None  # measure: the stage whose model it measures
+    digested: dict = field(default_factory=dict)  # the resolved recipe the key hashes (output paths left out)
+    inputs: list = field(default_factory=list)  # the key's other parts: fingerprints, the upstream stage's key
+    adopted: bool = False  # a finished stage an earlier ecomla keyed otherwise (`_adopt`)
+
+    def keep_record(self) -> None:
+        """A finished stage whose stage.json predates `record`: add it, so the next ecomla can adopt the stage."""
+        done = json.loads(self.done_file.read_text())
+        if "recipe" not in done:
+            tmp = self.done_file.with_name(".stage.json.tmp")
+            tmp.write_text(json.dumps({**done, **self.record}, indent=2) + "\n")
+            os.replace(tmp, self.done_file)
+
+    @property
+    def record(self) -> dict:
+        """What stage.json keeps besides the key, so that a later ecomla can tell the same stage (`_adopt`)."""
+        return json.loads(json.dumps({"recipe": self.digested, "inputs": self.inputs}, default=str))
 
     @property
     def model_dir(self) -> Path:
@@ -76,6 +96,59 @@ class Stage(CachedStage):
     def points_file(self) -> Path:
         """distill: the measurements along the way; measure: its one measurement."""
         return self.dir / ("points.json" if self.kind == "distill" else "result.json")
+
+
+def _keyed(kind: str, label: str, sub: Any, digested: dict, inputs: list, out: Path, info: dict,
+           of: Stage | None = None) -> Stage:
+    """A stage keyed by digest(kind, digested, *inputs) in out/<label>-<key>, or, when that is not finished, an
+    earlier ecomla's finished stage that computed the same (`_adopt`)."""
+    key = digest(kind, digested, *inputs)
+    stage = Stage(kind, label, sub, key, out / f"{label}-{key}", info, of, digested, list(inputs))
+    if not stage.done():
+        _adopt(stage)
+    return stage
+
+
+def _asks_the_same(kind: str, old: dict, new: dict) -> bool:
+    """Whether a stage's recorded recipe (as an earlier ecomla resolved it) asks for what `new` asks for, keys
+    added since at their defaults (`asks_the_same`)."""
+    from ecomla.convert.recipe import ConvertRecipe
+    from ecomla.distill.recipe import DataConfig, DistillRecipe, TeacherConfig
+    from ecomla.recipe.schema import asks_the_same
+    from ecomla.run.recipe import Measure
+
+    if kind != "teacher-cache":
+        return asks_the_same(old, new, {"convert": ConvertRecipe, "distill": DistillRecipe, "measure": Measure}[kind])
+    # _cache_inputs: the data section, the teacher's keys with its dtype, the tokenizer and the temperature
+    rest_old, rest_new = dict(old), dict(new)
+    data_old, data_new = rest_old.pop("data", None), rest_new.pop("data", None)
+    teacher_old, teacher_new = dict(rest_old.pop("teacher", {})), dict(rest_new.pop("teacher", {}))
+    return (rest_old == rest_new and teacher_old.pop("dtype", None) == teacher_new.pop("dtype", None)
+            and isinstance(data_old, dict) and asks_the_same(data_old, data_new, DataConfig)
+            and asks_the_same(teacher_old, teacher_new, TeacherConfig))
+
+
+def _adopt(stage: Stage) -> None:
+    """Take over a finished stage of the same label that an earlier ecomla keyed otherwise, when it computed the
+    same: the same inputs (fingerprints and upstream key) and a recipe that differs only by keys added since, each
+    at its default. So upgrading ecomla, which adds knobs and so changes every key that hashes them, does not
+    recompute finished conversions, caches and distillations. The stage keeps the earlier key and directory, and
+    the stages after it key from that key. Stages finished before stage.json kept the recipe are not adopted."""
+    found = []
+    for record_file in stage.dir.parent.glob(f"{stage.label}-*/stage.json"):
+        try:
+            record = json.loads(record_file.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        key = record.get("key")
+        if (record_file.parent.name != f"{stage.label}-{key}" or "recipe" not in record
+                or record.get("inputs") != stage.record["inputs"]):
+            continue
+        if _asks_the_same(stage.kind, record["recipe"], stage.digested):
+            found.append((record_file.stat().st_mtime_ns, key, record_file.parent))
+    if found:
+        _, stage.key, stage.dir = max(found)
+        stage.adopted = True
 
 
 def _sub_recipe(cls: type, section: str, body: dict, fills: dict[str, Any]):
@@ -146,9 +219,8 @@ def _convert_stages(recipe: RunRecipe, out: Path, base_fp: str) -> list[Stage]:
                 section = f"{section} with variants.{preset}"
             fills = {"model": recipe.base, "output_dir": "", "mla": fills_mla}
             sub = _sub_recipe(ConvertRecipe, section, recipe.convert_for(ratio, preset), fills)
-            key = digest("convert", recipe_to_dict(sub), base_fp)
-            stage = Stage("convert", label, sub, key, out / f"{label}-{key}",
-                          {"point": point, "ratio": ratio, "preset": preset})
+            stage = _keyed("convert", label, sub, recipe_to_dict(sub), [base_fp], out,
+                           {"point": point, "ratio": ratio, "preset": preset})
             sub.output_dir = str(stage.model_dir)
             stages.append(stage)
     return stages
@@ -175,9 +247,9 @@ def plan(recipe: RunRecipe) -> list[Stage]:
             fills = {"student": recipe.base, "teacher": {"model": recipe.teachers[teacher], "cache_dir": "x"},
                      "output_dir": ""}
             sub = _sub_recipe(DistillRecipe, "distill", recipe.distill, fills)
-            key = digest("teacher-cache", _cache_inputs(sub), base_fp, teacher_fp[teacher],
-                         _data_fingerprints(sub, data_fps))
-            stage = Stage("teacher-cache", label, sub, key, out / f"{label}-{key}", {"teacher": teacher})
+            stage = _keyed("teacher-cache", label, sub, _cache_inputs(sub),
+                           [base_fp, teacher_fp[teacher], _data_fingerprints(sub, data_fps)], out,
+                           {"teacher": teacher})
             sub.teacher.cache_dir, sub.output_dir = str(stage.model_dir), str(stage.dir)
             stages.append(stage)
             caches[teacher] = stage
@@ -220,14 +292,13 @@ def plan(recipe: RunRecipe) -> list[Stage]:
                         as_dict["teacher"].pop("cache_dir")  # a path under output_dir; the cache's key stands for it
                         # measured along the way: the points are an output, so their settings and offset are inputs
                         extra = [recipe_to_dict(recipe.measure), done] if along else []
-                        key = digest("distill", as_dict, src.key, teacher_fp[teacher],
-                                     _data_fingerprints(sub, data_fps), cache.key if cache is not None else None,
-                                     *extra)
-                        stage = Stage("distill", label, sub, key, out / f"{label}-{key}",
-                                      {"point": point, "ratio": ratio, "preset": preset, "teacher": teacher,
-                                       "variant": variant, "part": i, "parts": len(parts), "offset": done,
-                                       "tokens": n, "last": i == len(parts) - 1, "after": src.label,
-                                       "every": recipe.measure.every_tokens if along else 0})
+                        inputs = [src.key, teacher_fp[teacher], _data_fingerprints(sub, data_fps),
+                                  cache.key if cache is not None else None, *extra]
+                        stage = _keyed("distill", label, sub, as_dict, inputs, out,
+                                       {"point": point, "ratio": ratio, "preset": preset, "teacher": teacher,
+                                        "variant": variant, "part": i, "parts": len(parts), "offset": done,
+                                        "tokens": n, "last": i == len(parts) - 1, "after": src.label,
+                                        "every": recipe.measure.every_tokens if along else 0})
                         sub.output_dir = str(stage.dir / "run")
                         stages.append(stage)
                         src, done = stage, done + n
@@ -236,8 +307,8 @@ def plan(recipe: RunRecipe) -> list[Stage]:
         settings = recipe_to_dict(recipe.measure)
         for of in [s for s in stages if s.kind == "convert"] + finals:
             label = f"measure-{of.name}"
-            key = digest("measure", settings, of.key, base_fp)
-            stages.append(Stage("measure", label, recipe.measure, key, out / f"{label}-{key}", dict(of.info), of))
+            stages.append(_keyed("measure", label, recipe.measure, settings, [of.key, base_fp], out, dict(of.info),
+                                 of))
     return stages
 
 
@@ -358,7 +429,13 @@ def run(recipe: RunRecipe, *, force: bool = False, progress: bool = True) -> Pat
     for i, stage in enumerate(stages, 1):
         what = f"[{i}/{total}] {stage.label}"
         if stage.done():
-            say(f"{what}: reused ({stage.dir.name})")
+            if stage.adopted:
+                say(f"{what}: reused ({stage.dir.name}: keyed by an earlier ecomla; the same recipe, every key "
+                    f"added since at its default)")
+            else:
+                say(f"{what}: reused ({stage.dir.name})")
+            if is_main:
+                stage.keep_record()
             continue
         say(f"{what}: running -> {stage.dir}")
         if stick is None and is_main and (stage.kind == "measure" or along and stage.kind == "distill"):
@@ -372,7 +449,8 @@ def run(recipe: RunRecipe, *, force: bool = False, progress: bool = True) -> Pat
         if is_main:
             stage.mark_done(label=stage.label, seconds=seconds, **{k: v for k, v in stage.info.items()
                                                                    if k in ("point", "ratio", "preset", "teacher",
-                                                                            "variant", "part", "after")})
+                                                                            "variant", "part", "after")},
+                            **stage.record)
         barrier()
         say(f"{what}: done in {seconds:.0f} s")
     if not is_main:

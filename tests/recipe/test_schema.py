@@ -12,6 +12,7 @@ import yaml
 
 from ecomla.recipe.schema import (
     RecipeError,
+    asks_the_same,
     describe_fields,
     format_fields,
     knob,
@@ -359,3 +360,42 @@ def test_schema_mistakes_are_type_errors():
         load_recipe(NoHelp, data={})
     with pytest.raises(TypeError, match="unsupported"):
         load_recipe(BadType, data={})
+
+
+@dataclass
+class Part:
+    path: str = knob(help="a file")
+    cap: Optional[int] = knob(None, help="at most this many")
+
+
+@dataclass
+class Parts:
+    parts: list[Part] = knob(default_factory=list, help="the parts")
+    mla: Mla = knob(default_factory=lambda: Mla(rope_dim=32), help="a default instance unlike Mla's own")
+
+
+def test_asks_the_same_takes_keys_added_since_at_their_default():
+    new = recipe_to_dict(load_recipe(Recipe, data={"model": "m", "mla": {"kv_lora_rank": 64}}))
+    old = {k: v for k, v in new.items() if k != "compile"}  # written before `compile` existed
+    old["mla"] = {k: v for k, v in new["mla"].items() if k != "q_lora_rank"}
+    assert asks_the_same(old, new, Recipe)
+    assert asks_the_same(new, new, Recipe)
+    # a key added since, set away from its default: the old run did not do that
+    on = recipe_to_dict(load_recipe(Recipe, data={"model": "m", "mla": {"kv_lora_rank": 64}, "compile": True}))
+    assert not asks_the_same(old, on, Recipe)
+    # a value that differs, a key removed since, and a required key the old recipe lacks
+    assert not asks_the_same({**old, "lr": 2e-4}, new, Recipe)
+    assert not asks_the_same({**old, "warmup": 10}, new, Recipe)
+    assert not asks_the_same({k: v for k, v in old.items() if k != "model"}, new, Recipe)
+    # a key left out of both (a path the caller drops before hashing) is not compared
+    assert asks_the_same({k: v for k, v in old.items() if k != "output"},
+                         {k: v for k, v in new.items() if k != "output"}, Recipe)
+
+
+def test_asks_the_same_reads_a_parent_default_instance_and_lists_of_recipe_classes():
+    new = recipe_to_dict(load_recipe(Parts, data={"parts": [{"path": "a"}, {"path": "b", "cap": 3}]}))
+    old = {"parts": [{"path": "a"}, {"path": "b", "cap": 3}], "mla": {"kv_lora_rank": 512, "q_lora_rank": None}}
+    assert asks_the_same(old, new, Parts)  # mla.rope_dim added since at Parts' default of 32, not Mla's 64
+    assert not asks_the_same(old, {**new, "mla": {**new["mla"], "rope_dim": 64}}, Parts)
+    assert not asks_the_same({**old, "parts": [{"path": "a"}]}, new, Parts)  # one part fewer
+    assert not asks_the_same({**old, "parts": [{"path": "a"}, {"path": "b"}]}, new, Parts)  # cap set since

@@ -207,6 +207,87 @@ def test_an_interrupted_distillation_resumes(world, tmp_path, capsys):
     assert steps[-1] == 8 and len(steps) < 8 + 3  # continued from a checkpoint, not from step 0
 
 
+def as_an_earlier_ecomla_left_them(stages: list, knobs: dict[str, tuple[str, ...]]) -> dict[str, str]:
+    """Rewrite finished stages as an ecomla without the knobs `knobs` (kind -> dotted keys) would have left them:
+    those keys absent from each recorded recipe, the key its digest would then have been (the stages after it
+    keyed from that key), the directory named by it. Returns each stage's label -> that earlier key."""
+    from ecomla.io.fingerprint import digest
+
+    renamed: dict[str, str] = {}
+    earlier: dict[str, str] = {}
+    for stage in stages:
+        record = json.loads(stage.done_file.read_text())
+        for dotted in knobs.get(stage.kind, ()):
+            *parents, leaf = dotted.split(".")
+            node = record["recipe"]
+            for part in parents:
+                node = node[part]
+            node.pop(leaf)
+        record["inputs"] = [renamed.get(x, x) if isinstance(x, str) else x for x in record["inputs"]]
+        key = digest(stage.kind, record["recipe"], *record["inputs"])
+        renamed[stage.key], earlier[stage.label] = key, key
+        record["key"] = key
+        stage.done_file.write_text(json.dumps(record))
+        stage.dir.rename(stage.dir.with_name(f"{stage.label}-{key}"))
+    return earlier
+
+
+@pytest.mark.slow
+def test_an_upgrade_that_adds_knobs_reuses_finished_stages(world, tmp_path, capsys):
+    out = tmp_path / "r"
+    live = run_recipe(world, out, ratios=[4.0], presets=["xecomla"], variants={}, eval=None)
+    recipe = run_recipe(world, out, ratios=[4.0], presets=["xecomla"], variants={}, eval=None,
+                        distill=with_cache(live))
+    run(recipe, progress=False)
+    assert capsys.readouterr().out.count(": done in") == 3  # conversion, teacher cache, distillation
+    stages = plan(recipe)
+    def written(stages) -> dict:
+        return {(s.label, str(p.relative_to(s.model_dir))): p.stat().st_mtime_ns
+                for s in stages for p in s.model_dir.rglob("*") if p.is_file()}
+
+    before = written(stages)
+    # An earlier ecomla had none of these knobs; with each at its default this version computes what it did.
+    earlier = as_an_earlier_ecomla_left_them(stages, {
+        "convert": ("init.token_weight_power",),
+        "teacher-cache": ("data.train.max_tokens",),
+        "distill": ("data.train.max_tokens", "train.lr_multipliers")})
+    adopted = plan(recipe)
+    assert {s.label: s.key for s in adopted} == earlier and all(s.adopted and s.done() for s in adopted)
+    assert adopted[2].recipe.student == str(adopted[0].model_dir)  # paths follow the adopted directories
+    assert adopted[2].recipe.teacher.cache_dir == str(adopted[1].model_dir)
+    run(recipe, progress=False)
+    log = capsys.readouterr().out
+    assert log.count("keyed by an earlier ecomla") == 3 and "done in" not in log
+    assert written(adopted) == before  # nothing recomputed
+    # A knob added since and set away from its default: the earlier distillation did not do that, so it reruns;
+    # the conversion and the cache, which do not read it, are still taken over.
+    edited = run_recipe(world, out, ratios=[4.0], presets=["xecomla"], variants={}, eval=None,
+                        distill={**with_cache(live), "train": {**live.distill["train"],
+                                                               "lr_multipliers": {"mlp": 0.5}}})
+    convert, cache, distill = plan(edited)
+    assert convert.adopted and cache.adopted and not distill.adopted and not distill.done()
+    # A changed value is a change, whatever the version
+    lr = run_recipe(world, out, ratios=[4.0], presets=["xecomla"], variants={}, eval=None,
+                    distill={**with_cache(live), "train": {**live.distill["train"], "lr": 5e-4}})
+    assert not plan(lr)[2].adopted
+
+
+@pytest.mark.slow
+def test_stages_finished_before_their_record_get_it_on_reuse(world, tmp_path, capsys):
+    recipe = run_recipe(world, tmp_path / "r", ratios=[4.0], presets=["xecomla"], variants={}, eval=None)
+    run(recipe, progress=False)
+    stages = plan(recipe)
+    for stage in stages:  # as a version before the record left them
+        record = json.loads(stage.done_file.read_text())
+        assert record["recipe"] == stage.digested
+        stage.done_file.write_text(json.dumps({k: v for k, v in record.items() if k not in ("recipe", "inputs")}))
+    capsys.readouterr()
+    run(recipe, progress=False)
+    assert capsys.readouterr().out.count(": reused") == 2
+    for stage in stages:
+        assert json.loads(stage.done_file.read_text())["inputs"] == stage.record["inputs"]
+
+
 def test_a_linear_latent_distilled_with_lora_is_refused_at_plan_time(world, tmp_path):
     kw = dict(presets=["xecomla"], variants={}, convert={"mla": {"qk_rope_head_dim": 8}, "dtype": "float32", "device": "cpu"},
               convert_by_ratio={4.0: {"mla": {"latent_norm": "linear"}}})
