@@ -79,7 +79,10 @@ def fit_layer(plan: MLAPlan, i: int, src: SourceAttention, y: torch.Tensor | Non
             rotation = attention_rotation(geo, layer.rope, reading.distances, inv_freq)
         else:
             rotation = residual_rotation(geo, layer.rope, inv_freq, plan.rope_residual_context)
-    objective = LatentObjective(init.objective, init.key_weight, init.kv_balance)
+    # init.query_moment=uniform: the key rows' query term counts every query alike, as the output does
+    uniform_queries = weights is not None and init.objective == "attention" and init.query_moment == "uniform"
+    query_cov = latent.second_moment(y) if uniform_queries else None
+    objective = LatentObjective(init.objective, init.key_weight, init.kv_balance, query_cov)
     result = convert_attention(geo, layer.rope, src, layer.kv_lora_rank, fit_kv, fit_q, rope_cov, rotation, objective)
     return result, rope_cov
 

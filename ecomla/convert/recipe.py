@@ -220,6 +220,12 @@ class InitConfig:
         1.0, help="token_weights=attention: each token's weight is its received attention mass to this power (1: the "
         "mass itself; 0.5 tempers the sink's share; 0 is uniform)",
     )
+    query_moment: Literal["weighted", "uniform"] = knob(
+        "weighted",
+        help="token_weights=attention with objective=attention: the second moment of the queries in the key rows' "
+        "weight (the score error s·q·δk). weighted: the key tokens' attention-weighted one, so queries count by the "
+        "attention their own tokens receive. uniform: every query alike, as the layer's output counts them",
+    )
     refit: Literal["none", "values"] = knob(
         "none",
         help="After each layer's fit, values: refit the value rows of kv_b_proj and o_proj by least squares so the "
@@ -349,6 +355,9 @@ class ConvertRecipe:
             problems.append(f"init.token_weights: {init.token_weights} weighs the calibration tokens of the activation "
                             f"fit, but init.method is {init.method}; use init.method activation, or remove "
                             "init.token_weights")
+        if init.query_moment != "weighted" and (init.token_weights == "uniform" or init.objective != "attention"):
+            problems.append("init.query_moment: only token_weights attention with objective attention reads it (the "
+                            "queries are weighed as the keys are); set both, or remove init.query_moment")
         if init.objective == "attention" and init.kv_balance:
             problems.append("init.kv_balance: objective attention weighs keys against values itself; remove "
                             "init.kv_balance (or use objective kv)")

@@ -365,7 +365,7 @@ def balanced_rows(M: torch.Tensor, key_rows: torch.Tensor) -> BasisRows:
 
 
 def attention_rows(geo: MLAGeometry, M: torch.Tensor, q_w: torch.Tensor, o_w: torch.Tensor,
-                   key_weight: float) -> BasisRows:
+                   key_weight: float, query_cov: torch.Tensor | None = None) -> BasisRows:
     """init.objective=attention: M's rows as the layer's output sees their errors.
 
     M is kv_rows' layout (per query head h: qk_nope key rows K_h, then d_h value rows V_h), q_w the
@@ -375,7 +375,8 @@ def attention_rows(geo: MLAGeometry, M: torch.Tensor, q_w: torch.Tensor, o_w: to
     reaches the output as W_o,h·δv, so value rows get (W_o,hᵀ·W_o,h)^½. A score error δ moves the output
     by about δ times the spread of W_o,h·v over the attended tokens, so keys are also scaled by
     (key_weight·E‖W_o,h·V_h·y‖²)^½. Any square root gives the same basis (it is fitted to the rows'
-    Gram matrix under C).
+    Gram matrix under C). query_cov: the queries' own second moment in A_h, where C weighs the key tokens
+    (init.query_moment=uniform under init.token_weights); None: C.
     """
     d, nope, d_h = M.shape[1], geo.qk_nope_head_dim, geo.head_dim
     Mh = M.double().view(geo.n_heads, nope + d_h, d)
@@ -384,13 +385,14 @@ def attention_rows(geo: MLAGeometry, M: torch.Tensor, q_w: torch.Tensor, o_w: to
 
     def rows(cov: torch.Tensor | None) -> torch.Tensor:
         C = torch.eye(d, dtype=torch.float64) if cov is None else cov.double()[:d, :d]
+        Cq = C if query_cov is None else query_cov.double()[:d, :d]
         out = torch.empty_like(Mh)
         for h in range(geo.n_heads):
             K, V = Mh[h, :nope], Mh[h, nope:]
             Wo = o_w.double()[:, h * d_h:(h + 1) * d_h]  # (d, d_h): head h's columns of o_proj
             WoV = Wo @ V
             value_energy = float(torch.trace(WoV @ C @ WoV.T))
-            out[h, :nope] = (key_weight * value_energy) ** 0.5 * latent.psd_sqrt(s2 * Qh[h] @ C @ Qh[h].T) @ K
+            out[h, :nope] = (key_weight * value_energy) ** 0.5 * latent.psd_sqrt(s2 * Qh[h] @ Cq @ Qh[h].T) @ K
             out[h, nope:] = latent.psd_sqrt(Wo.T @ Wo) @ V
         return out.reshape(-1, d)
 
@@ -423,15 +425,17 @@ class LayerResult:
 
 @dataclass(frozen=True)
 class LatentObjective:
-    """What the key/value latent's basis keeps (`init.objective`, `init.key_weight`, `init.kv_balance`)."""
+    """What the key/value latent's basis keeps (`init.objective`, `init.key_weight`, `init.kv_balance`,
+    `init.query_moment`)."""
 
     objective: str = "kv"  # kv: the rows themselves; attention: `attention_rows`
     key_weight: float = 1.0
     kv_balance: bool = False
+    query_cov: torch.Tensor | None = None  # attention: the queries' second moment, where the fit's weighs tokens
 
     def basis_rows(self, geo: MLAGeometry, M: torch.Tensor, q_w: torch.Tensor, o_w: torch.Tensor) -> BasisRows | None:
         if self.objective == "attention":
-            return attention_rows(geo, M, q_w, o_w, self.key_weight)
+            return attention_rows(geo, M, q_w, o_w, self.key_weight, self.query_cov)
         if self.kv_balance:
             return balanced_rows(M, key_rows(geo, geo.n_heads))
         return None

@@ -130,6 +130,8 @@ def test_linear_latent_error_falls_with_rank(source_factory, corpus_dir, tmp_pat
     ({}, {"token_weight_power": 0.5}, "init.token_weight_power: only token_weights attention reads it"),
     ({}, {"token_weights": "attention", "token_weight_power": -1.0}, "init.token_weight_power: must be >= 0"),
     ({}, {"refit_ridge": -1.0}, "init.refit_ridge: must be >= 0"),
+    ({}, {"objective": "attention", "query_moment": "uniform"}, "init.query_moment: only token_weights attention"),
+    ({}, {"token_weights": "attention", "query_moment": "uniform"}, "init.query_moment: only token_weights attention"),
 ])
 def test_lever_keys_are_refused_where_they_would_be_ignored(source_factory, tmp_path, mla, init, needle):
     from ecomla.convert.recipe import ConvertRecipe
@@ -344,6 +346,28 @@ def test_token_weights_reach_the_kv_latent_and_rope_key_but_not_the_query_latent
         assert moved(attw[p + "kv_b_proj.weight"], uniform[p + "kv_b_proj.weight"]), i
         kv_a, kv_a0 = act_attw[p + "kv_a_proj_with_mqa.weight"], act_uniform[p + "kv_a_proj_with_mqa.weight"]
         assert moved(kv_a[r_kv:], kv_a0[r_kv:]), i  # rorope_act's RoPE key, fitted to weighted key activations
+
+
+def test_a_uniform_query_moment_moves_only_the_key_rows_weight(tmp_path):
+    """init.query_moment=uniform under token_weights attention and objective attention: the key rows' query term
+    counts every query alike, so the latent rows move; with token weights of power 0 (every token alike) the two
+    moments are one, so the fits agree to rounding."""
+    cal = {**CALIBRATION, "num_tokens": 2048, "heldout_tokens": 0}
+
+    def weights(name: str, **init) -> dict:
+        init = {"method": "activation", "objective": "attention", "token_weights": "attention", "calibration": cal,
+                **init}
+        convert(ZOO_BASE, tmp_path / name, mla={**BEFORE_MLA, "rope_key": "rorope"}, init=init)
+        return load_file(tmp_path / name / "model.safetensors")
+
+    r_kv = BEFORE_MLA["kv_lora_rank"]
+    weighted, uniform = weights("weighted"), weights("uniform", query_moment="uniform")
+    flat, flat_uniform = (weights("flat", token_weight_power=0.0),
+                          weights("flat-uniform", token_weight_power=0.0, query_moment="uniform"))
+    for i in range(4):
+        name = f"model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight"
+        assert not torch.allclose(uniform[name][:r_kv], weighted[name][:r_kv], rtol=1e-3, atol=0), i
+        torch.testing.assert_close(flat_uniform[name], flat[name], rtol=1e-6, atol=1e-7)
 
 
 def _next_states_match_a_run(out_dir: Path) -> None:
