@@ -413,7 +413,10 @@ def asks_the_same(old: dict, new: dict, cls: type, *, defaults: Any = None) -> b
             continue
         default = _field_default(f, defaults)
         if f.name not in old:
-            if default is MISSING or _plain(default) != new[f.name]:
+            # either default counts: a section the recipe leaves out takes the parent's default instance's value,
+            # one it gives takes the class default for the keys it leaves out
+            at_default = [d for d in (default, _field_default(f, None)) if d is not MISSING]
+            if not any(_plain(d) == new[f.name] for d in at_default):
                 return False
             continue
         was, now = old[f.name], new[f.name]

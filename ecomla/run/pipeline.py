@@ -37,6 +37,7 @@ The run directory must be on a file system all ranks share.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -64,12 +65,16 @@ class Stage(CachedStage):
     adopted: bool = False  # a finished stage an earlier ecomla keyed otherwise (`_adopt`)
 
     def keep_record(self) -> None:
-        """A finished stage whose stage.json predates `record`: add it, so the next ecomla can adopt the stage."""
-        done = json.loads(self.done_file.read_text())
-        if "recipe" not in done:
-            tmp = self.done_file.with_name(".stage.json.tmp")
-            tmp.write_text(json.dumps({**done, **self.record}, indent=2) + "\n")
-            os.replace(tmp, self.done_file)
+        """A finished stage whose stage.json predates `record`: add it, so the next ecomla can adopt the stage.
+        Best effort: a stage directory this user cannot write (another's, a read-only mount) is still reused."""
+        try:
+            done = json.loads(self.done_file.read_text())
+            if "recipe" not in done:
+                tmp = self.done_file.with_name(".stage.json.tmp")
+                tmp.write_text(json.dumps({**done, **self.record}, indent=2) + "\n")
+                os.replace(tmp, self.done_file)
+        except OSError:
+            pass
 
     @property
     def record(self) -> dict:
@@ -98,13 +103,21 @@ class Stage(CachedStage):
         return self.dir / ("points.json" if self.kind == "distill" else "result.json")
 
 
+# What each kind of stage computes, by version. A release that changes what a stage computes from the same recipe
+# (a fix in the conversion's numerics, a new loss term under an existing key) bumps its kind's version: from 2 on the
+# version joins the key's inputs, so every stage of that kind (and the stages after it) reruns, and none is adopted.
+STAGE_VERSIONS = {"convert": 1, "teacher-cache": 1, "distill": 1, "measure": 1}
+
+
 def _keyed(kind: str, label: str, sub: Any, digested: dict, inputs: list, out: Path, info: dict,
-           of: Stage | None = None) -> Stage:
+           of: Stage | None = None, adopt: bool = True) -> Stage:
     """A stage keyed by digest(kind, digested, *inputs) in out/<label>-<key>, or, when that is not finished, an
     earlier ecomla's finished stage that computed the same (`_adopt`)."""
+    if STAGE_VERSIONS[kind] > 1:
+        inputs = [*inputs, f"{kind} v{STAGE_VERSIONS[kind]}"]
     key = digest(kind, digested, *inputs)
     stage = Stage(kind, label, sub, key, out / f"{label}-{key}", info, of, digested, list(inputs))
-    if not stage.done():
+    if adopt and not stage.done():
         _adopt(stage)
     return stage
 
@@ -128,27 +141,38 @@ def _asks_the_same(kind: str, old: dict, new: dict) -> bool:
             and asks_the_same(teacher_old, teacher_new, TeacherConfig))
 
 
+def _same_inputs(old: Any, new: list) -> bool:
+    """The recorded inputs against the stage's: equal, but for the measure settings of a distillation measured along
+    the way (its one dict), which may have gained keys since, each at its default."""
+    from ecomla.recipe.schema import asks_the_same
+    from ecomla.run.recipe import Measure
+
+    if not isinstance(old, list) or len(old) != len(new):
+        return False
+    return all(asks_the_same(a, b, Measure) if isinstance(a, dict) and isinstance(b, dict) else a == b
+               for a, b in zip(old, new))
+
+
 def _adopt(stage: Stage) -> None:
     """Take over a finished stage of the same label that an earlier ecomla keyed otherwise, when it computed the
     same: the same inputs (fingerprints and upstream key) and a recipe that differs only by keys added since, each
     at its default. So upgrading ecomla, which adds knobs and so changes every key that hashes them, does not
     recompute finished conversions, caches and distillations. The stage keeps the earlier key and directory, and
     the stages after it key from that key. Stages finished before stage.json kept the recipe are not adopted."""
-    found = []
-    for record_file in stage.dir.parent.glob(f"{stage.label}-*/stage.json"):
+    inputs = stage.record["inputs"]
+    for record_file in sorted(stage.dir.parent.glob(f"{glob.escape(stage.label)}-*/stage.json")):  # a fixed order
         try:
             record = json.loads(record_file.read_text())
-        except (OSError, json.JSONDecodeError):
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
             continue
+        if not isinstance(record, dict) or not isinstance(record.get("recipe"), dict):
+            continue  # finished before stage.json kept its recipe, or not a record at all
         key = record.get("key")
-        if (record_file.parent.name != f"{stage.label}-{key}" or "recipe" not in record
-                or record.get("inputs") != stage.record["inputs"]):
+        if record_file.parent.name != f"{stage.label}-{key}" or not _same_inputs(record.get("inputs"), inputs):
             continue
         if _asks_the_same(stage.kind, record["recipe"], stage.digested):
-            found.append((record_file.stat().st_mtime_ns, key, record_file.parent))
-    if found:
-        _, stage.key, stage.dir = max(found)
-        stage.adopted = True
+            stage.key, stage.dir, stage.adopted = key, record_file.parent, True
+            return
 
 
 def _sub_recipe(cls: type, section: str, body: dict, fills: dict[str, Any]):
@@ -207,7 +231,7 @@ def part_tokens(shares: list[float], total: int, batch: int) -> list[int]:
     return [c * batch for c in counts] + [(steps - sum(counts)) * batch]
 
 
-def _convert_stages(recipe: RunRecipe, out: Path, base_fp: str) -> list[Stage]:
+def _convert_stages(recipe: RunRecipe, out: Path, base_fp: str, adopt: bool) -> list[Stage]:
     from ecomla.convert.recipe import ConvertRecipe
 
     stages = []
@@ -220,21 +244,21 @@ def _convert_stages(recipe: RunRecipe, out: Path, base_fp: str) -> list[Stage]:
             fills = {"model": recipe.base, "output_dir": "", "mla": fills_mla}
             sub = _sub_recipe(ConvertRecipe, section, recipe.convert_for(ratio, preset), fills)
             stage = _keyed("convert", label, sub, recipe_to_dict(sub), [base_fp], out,
-                           {"point": point, "ratio": ratio, "preset": preset})
+                           {"point": point, "ratio": ratio, "preset": preset}, adopt=adopt)
             sub.output_dir = str(stage.model_dir)
             stages.append(stage)
     return stages
 
 
-def plan(recipe: RunRecipe) -> list[Stage]:
+def plan(recipe: RunRecipe, *, adopt: bool = True) -> list[Stage]:
     """Every convert, teacher-cache, distill and measure stage, resolved and keyed; recipe problems raise before
-    anything runs."""
+    anything runs. adopt: take over an earlier ecomla's finished stages that computed the same (`_adopt`)."""
     from ecomla.convert.layout import LINEAR_LATENT_LORA
     from ecomla.distill.recipe import DistillRecipe
 
     out = Path(recipe.output_dir) / "stages"
     base_fp = path_fingerprint(recipe.base)
-    stages = _convert_stages(recipe, out, base_fp)
+    stages = _convert_stages(recipe, out, base_fp, adopt)
     converted = {(s.info["point"], s.info["preset"]): s for s in stages}
     # Each teacher's files and the training data are fingerprinted once, not once per stage that uses them.
     teacher_fp = {t: path_fingerprint(recipe.teachers[t]) for t in recipe.used_teachers}
@@ -249,7 +273,7 @@ def plan(recipe: RunRecipe) -> list[Stage]:
             sub = _sub_recipe(DistillRecipe, "distill", recipe.distill, fills)
             stage = _keyed("teacher-cache", label, sub, _cache_inputs(sub),
                            [base_fp, teacher_fp[teacher], _data_fingerprints(sub, data_fps)], out,
-                           {"teacher": teacher})
+                           {"teacher": teacher}, adopt=adopt)
             sub.teacher.cache_dir, sub.output_dir = str(stage.model_dir), str(stage.dir)
             stages.append(stage)
             caches[teacher] = stage
@@ -298,7 +322,7 @@ def plan(recipe: RunRecipe) -> list[Stage]:
                                        {"point": point, "ratio": ratio, "preset": preset, "teacher": teacher,
                                         "variant": variant, "part": i, "parts": len(parts), "offset": done,
                                         "tokens": n, "last": i == len(parts) - 1, "after": src.label,
-                                        "every": recipe.measure.every_tokens if along else 0})
+                                        "every": recipe.measure.every_tokens if along else 0}, adopt=adopt)
                         sub.output_dir = str(stage.dir / "run")
                         stages.append(stage)
                         src, done = stage, done + n
@@ -308,7 +332,7 @@ def plan(recipe: RunRecipe) -> list[Stage]:
         for of in [s for s in stages if s.kind == "convert"] + finals:
             label = f"measure-{of.name}"
             stages.append(_keyed("measure", label, recipe.measure, settings, [of.key, base_fp], out, dict(of.info),
-                                 of))
+                                 of, adopt))
     return stages
 
 
@@ -393,7 +417,7 @@ def eval_recipe(recipe: RunRecipe, stages: list[Stage]):
 
 def run(recipe: RunRecipe, *, force: bool = False, progress: bool = True) -> Path:
     """Run (or reuse) every stage, then the measure report and eval; returns the run directory."""
-    stages = plan(recipe)
+    stages = plan(recipe, adopt=not force)  # --force deletes the run directory below: nothing in it to adopt
     evaluation = eval_recipe(recipe, stages)
     if evaluation is not None:
         from ecomla.eval.recipe import load_suite

@@ -395,7 +395,9 @@ def test_asks_the_same_takes_keys_added_since_at_their_default():
 def test_asks_the_same_reads_a_parent_default_instance_and_lists_of_recipe_classes():
     new = recipe_to_dict(load_recipe(Parts, data={"parts": [{"path": "a"}, {"path": "b", "cap": 3}]}))
     old = {"parts": [{"path": "a"}, {"path": "b", "cap": 3}], "mla": {"kv_lora_rank": 512, "q_lora_rank": None}}
-    assert asks_the_same(old, new, Parts)  # mla.rope_dim added since at Parts' default of 32, not Mla's 64
-    assert not asks_the_same(old, {**new, "mla": {**new["mla"], "rope_dim": 64}}, Parts)
+    assert asks_the_same(old, new, Parts)  # mla.rope_dim added since at Parts' default of 32
+    # or at Mla's own 64, which a recipe that gives an mla section without rope_dim gets
+    assert asks_the_same(old, {**new, "mla": {**new["mla"], "rope_dim": 64}}, Parts)
+    assert not asks_the_same(old, {**new, "mla": {**new["mla"], "rope_dim": 16}}, Parts)
     assert not asks_the_same({**old, "parts": [{"path": "a"}]}, new, Parts)  # one part fewer
     assert not asks_the_same({**old, "parts": [{"path": "a"}, {"path": "b"}]}, new, Parts)  # cap set since

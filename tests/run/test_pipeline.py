@@ -270,6 +270,21 @@ def test_an_upgrade_that_adds_knobs_reuses_finished_stages(world, tmp_path, caps
     lr = run_recipe(world, out, ratios=[4.0], presets=["xecomla"], variants={}, eval=None,
                     distill={**with_cache(live), "train": {**live.distill["train"], "lr": 5e-4}})
     assert not plan(lr)[2].adopted
+    # An edited conversion: the distillation's own recipe is the same, its input (the conversion's key) is not
+    mla = run_recipe(world, out, ratios=[4.0], presets=["xecomla"], variants={}, eval=None,
+                     convert={**live.convert, "mla": {"qk_rope_head_dim": 4}}, distill=with_cache(live))
+    convert, cache, distill = plan(mla)
+    assert not convert.adopted and cache.adopted and not distill.adopted and not distill.done()
+    # The teacher cache's own keys: another temperature is another cache
+    hot = run_recipe(world, out, ratios=[4.0], presets=["xecomla"], variants={}, eval=None,
+                     distill={**with_cache(live), "loss": {"temperature": 2.0}})
+    assert not plan(hot)[1].adopted
+    # --force starts from an empty directory: every stage is this version's, under this version's key
+    run(recipe, force=True, progress=False)
+    assert "keyed by an earlier ecomla" not in capsys.readouterr().out
+    again = plan(recipe)
+    assert not any(s.adopted for s in again) and all(s.done() for s in again)
+    assert [s.key for s in again] == [s.key for s in stages]
 
 
 @pytest.mark.slow
@@ -285,7 +300,25 @@ def test_stages_finished_before_their_record_get_it_on_reuse(world, tmp_path, ca
     run(recipe, progress=False)
     assert capsys.readouterr().out.count(": reused") == 2
     for stage in stages:
-        assert json.loads(stage.done_file.read_text())["inputs"] == stage.record["inputs"]
+        record = json.loads(stage.done_file.read_text())
+        assert (record["recipe"], record["inputs"]) == (stage.record["recipe"], stage.record["inputs"])
+
+
+def test_measure_settings_among_a_distillations_inputs_may_gain_keys_at_their_default():
+    """A distillation measured along the way hashes the measure settings as an input: an earlier ecomla's settings
+    without a key added since, at its default, are the same input; anything else is not."""
+    from ecomla.recipe.schema import recipe_to_dict
+    from ecomla.run.pipeline import _same_inputs
+    from ecomla.run.recipe import Measure
+
+    now = recipe_to_dict(Measure(every_tokens=512))
+    earlier = {k: v for k, v in now.items() if k != "other_text"}
+    assert _same_inputs(["a1b2", "fp", earlier, 0], ["a1b2", "fp", now, 0])
+    assert not _same_inputs(["a1b2", "fp", earlier, 0], ["a1b2", "fp", {**now, "other_text": "t.txt"}, 0])
+    assert not _same_inputs(["a1b2", "fp", {**earlier, "every_tokens": 1024}, 0], ["a1b2", "fp", now, 0])
+    assert not _same_inputs(["c3d4", "fp", earlier, 0], ["a1b2", "fp", now, 0])
+    assert not _same_inputs(["a1b2", "fp", earlier], ["a1b2", "fp", now, 0])
+    assert not _same_inputs("a1b2", ["a1b2"])
 
 
 def test_a_linear_latent_distilled_with_lora_is_refused_at_plan_time(world, tmp_path):
