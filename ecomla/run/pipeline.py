@@ -26,7 +26,7 @@ distillation resumes from its last checkpoint (same key, same directory).
 stage.json also keeps the hashed recipe and inputs, so that a later ecomla,
 whose new knobs change every key that hashes them, takes over a finished stage
 whose inputs are the same and whose recipe differs only by knobs added since,
-each at its default (`_adopt`).
+each at its default (`ecomla.run.adopt`).
 
 Under a launcher (`deepspeed --module ecomla.run`, `torchrun -m ecomla.run`)
 every rank takes part in the teacher caches and distillations; rank 0 alone
@@ -37,7 +37,6 @@ The run directory must be on a file system all ranks share.
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import shutil
@@ -47,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from ecomla.io.fingerprint import CachedStage, digest, path_fingerprint
+from ecomla.run.adopt import STAGE_VERSIONS, adopt as adopt_earlier
 from ecomla.recipe.schema import RecipeError, load_recipe, recipe_to_dict, save_recipe
 from ecomla.run.recipe import RunRecipe, merged
 
@@ -62,7 +62,7 @@ class Stage(CachedStage):
     of: Stage | None = None  # measure: the stage whose model it measures
     digested: dict = field(default_factory=dict)  # the resolved recipe the key hashes (output paths left out)
     inputs: list = field(default_factory=list)  # the key's other parts: fingerprints, the upstream stage's key
-    adopted: bool = False  # a finished stage an earlier ecomla keyed otherwise (`_adopt`)
+    adopted: bool = False  # a finished stage an earlier ecomla keyed otherwise (`ecomla.run.adopt`)
 
     def keep_record(self) -> None:
         """A finished stage whose stage.json predates `record`: add it, so the next ecomla can adopt the stage.
@@ -78,7 +78,7 @@ class Stage(CachedStage):
 
     @property
     def record(self) -> dict:
-        """What stage.json keeps besides the key, so that a later ecomla can tell the same stage (`_adopt`)."""
+        """What stage.json keeps besides the key, so that a later ecomla can adopt the stage (`ecomla.run.adopt`)."""
         return json.loads(json.dumps({"recipe": self.digested, "inputs": self.inputs}, default=str))
 
     @property
@@ -103,76 +103,17 @@ class Stage(CachedStage):
         return self.dir / ("points.json" if self.kind == "distill" else "result.json")
 
 
-# What each kind of stage computes, by version. A release that changes what a stage computes from the same recipe
-# (a fix in the conversion's numerics, a new loss term under an existing key) bumps its kind's version: from 2 on the
-# version joins the key's inputs, so every stage of that kind (and the stages after it) reruns, and none is adopted.
-STAGE_VERSIONS = {"convert": 1, "teacher-cache": 1, "distill": 1, "measure": 1}
-
-
 def _keyed(kind: str, label: str, sub: Any, digested: dict, inputs: list, out: Path, info: dict,
            of: Stage | None = None, adopt: bool = True) -> Stage:
     """A stage keyed by digest(kind, digested, *inputs) in out/<label>-<key>, or, when that is not finished, an
-    earlier ecomla's finished stage that computed the same (`_adopt`)."""
+    earlier ecomla's finished stage that computed the same (`ecomla.run.adopt`)."""
     if STAGE_VERSIONS[kind] > 1:
         inputs = [*inputs, f"{kind} v{STAGE_VERSIONS[kind]}"]
     key = digest(kind, digested, *inputs)
     stage = Stage(kind, label, sub, key, out / f"{label}-{key}", info, of, digested, list(inputs))
     if adopt and not stage.done():
-        _adopt(stage)
+        adopt_earlier(stage)
     return stage
-
-
-def _asks_the_same(kind: str, old: dict, new: dict) -> bool:
-    """Whether a stage's recorded recipe (as an earlier ecomla resolved it) asks for what `new` asks for, keys
-    added since at their defaults (`asks_the_same`)."""
-    from ecomla.convert.recipe import ConvertRecipe
-    from ecomla.distill.recipe import DataConfig, DistillRecipe, TeacherConfig
-    from ecomla.recipe.schema import asks_the_same
-    from ecomla.run.recipe import Measure
-
-    if kind != "teacher-cache":
-        return asks_the_same(old, new, {"convert": ConvertRecipe, "distill": DistillRecipe, "measure": Measure}[kind])
-    # _cache_inputs: the data section, the teacher's keys with its dtype, the tokenizer and the temperature
-    rest_old, rest_new = dict(old), dict(new)
-    data_old, data_new = rest_old.pop("data", None), rest_new.pop("data", None)
-    teacher_old, teacher_new = dict(rest_old.pop("teacher", {})), dict(rest_new.pop("teacher", {}))
-    return (rest_old == rest_new and teacher_old.pop("dtype", None) == teacher_new.pop("dtype", None)
-            and isinstance(data_old, dict) and asks_the_same(data_old, data_new, DataConfig)
-            and asks_the_same(teacher_old, teacher_new, TeacherConfig))
-
-
-def _same_inputs(old: Any, new: list) -> bool:
-    """The recorded inputs against the stage's: equal, but for the measure settings of a distillation measured along
-    the way (its one dict), which may have gained keys since, each at its default."""
-    from ecomla.recipe.schema import asks_the_same
-    from ecomla.run.recipe import Measure
-
-    if not isinstance(old, list) or len(old) != len(new):
-        return False
-    return all(asks_the_same(a, b, Measure) if isinstance(a, dict) and isinstance(b, dict) else a == b
-               for a, b in zip(old, new))
-
-
-def _adopt(stage: Stage) -> None:
-    """Take over a finished stage of the same label that an earlier ecomla keyed otherwise, when it computed the
-    same: the same inputs (fingerprints and upstream key) and a recipe that differs only by keys added since, each
-    at its default. So upgrading ecomla, which adds knobs and so changes every key that hashes them, does not
-    recompute finished conversions, caches and distillations. The stage keeps the earlier key and directory, and
-    the stages after it key from that key. Stages finished before stage.json kept the recipe are not adopted."""
-    inputs = stage.record["inputs"]
-    for record_file in sorted(stage.dir.parent.glob(f"{glob.escape(stage.label)}-*/stage.json")):  # a fixed order
-        try:
-            record = json.loads(record_file.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-            continue
-        if not isinstance(record, dict) or not isinstance(record.get("recipe"), dict):
-            continue  # finished before stage.json kept its recipe, or not a record at all
-        key = record.get("key")
-        if record_file.parent.name != f"{stage.label}-{key}" or not _same_inputs(record.get("inputs"), inputs):
-            continue
-        if _asks_the_same(stage.kind, record["recipe"], stage.digested):
-            stage.key, stage.dir, stage.adopted = key, record_file.parent, True
-            return
 
 
 def _sub_recipe(cls: type, section: str, body: dict, fills: dict[str, Any]):
@@ -252,7 +193,7 @@ def _convert_stages(recipe: RunRecipe, out: Path, base_fp: str, adopt: bool) -> 
 
 def plan(recipe: RunRecipe, *, adopt: bool = True) -> list[Stage]:
     """Every convert, teacher-cache, distill and measure stage, resolved and keyed; recipe problems raise before
-    anything runs. adopt: take over an earlier ecomla's finished stages that computed the same (`_adopt`)."""
+    anything runs. adopt: take over an earlier ecomla's finished stages that computed the same (`ecomla.run.adopt`)."""
     from ecomla.convert.layout import LINEAR_LATENT_LORA
     from ecomla.distill.recipe import DistillRecipe
 

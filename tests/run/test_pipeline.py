@@ -308,17 +308,17 @@ def test_measure_settings_among_a_distillations_inputs_may_gain_keys_at_their_de
     """A distillation measured along the way hashes the measure settings as an input: an earlier ecomla's settings
     without a key added since, at its default, are the same input; anything else is not."""
     from ecomla.recipe.schema import recipe_to_dict
-    from ecomla.run.pipeline import _same_inputs
+    from ecomla.run.adopt import same_inputs
     from ecomla.run.recipe import Measure
 
     now = recipe_to_dict(Measure(every_tokens=512))
     earlier = {k: v for k, v in now.items() if k != "other_text"}
-    assert _same_inputs(["a1b2", "fp", earlier, 0], ["a1b2", "fp", now, 0])
-    assert not _same_inputs(["a1b2", "fp", earlier, 0], ["a1b2", "fp", {**now, "other_text": "t.txt"}, 0])
-    assert not _same_inputs(["a1b2", "fp", {**earlier, "every_tokens": 1024}, 0], ["a1b2", "fp", now, 0])
-    assert not _same_inputs(["c3d4", "fp", earlier, 0], ["a1b2", "fp", now, 0])
-    assert not _same_inputs(["a1b2", "fp", earlier], ["a1b2", "fp", now, 0])
-    assert not _same_inputs("a1b2", ["a1b2"])
+    assert same_inputs(["a1b2", "fp", earlier, 0], ["a1b2", "fp", now, 0])
+    assert not same_inputs(["a1b2", "fp", earlier, 0], ["a1b2", "fp", {**now, "other_text": "t.txt"}, 0])
+    assert not same_inputs(["a1b2", "fp", {**earlier, "every_tokens": 1024}, 0], ["a1b2", "fp", now, 0])
+    assert not same_inputs(["c3d4", "fp", earlier, 0], ["a1b2", "fp", now, 0])
+    assert not same_inputs(["a1b2", "fp", earlier], ["a1b2", "fp", now, 0])
+    assert not same_inputs("a1b2", ["a1b2"])
 
 
 def test_a_linear_latent_distilled_with_lora_is_refused_at_plan_time(world, tmp_path):
