@@ -68,9 +68,13 @@ def fit_layer(plan: MLAPlan, i: int, src: SourceAttention, y: torch.Tensor | Non
     weights = reading.received.pow(init.token_weight_power) if want_weights else None
     y_cov = latent.second_moment(y, weights) if needs_cov else None  # once for the activation fits and the RoPE key
     fit_kv = make_fitter(method, y, init.ridge, gen, std, latent_scale=geo.latent_scale, y_cov=y_cov, weights=weights)
+    # init.query_moment=uniform: the key rows' query term counts every query alike, as the output does (and as the
+    # query latent's fit does, which takes the same moment)
+    uniform_queries = weights is not None and init.objective == "attention" and init.query_moment == "uniform"
+    query_cov = latent.second_moment(y) if uniform_queries else None
     fit_q = None
     if geo.q_lora_rank is not None:
-        q_cov = y_cov if weights is None else None
+        q_cov = y_cov if weights is None else query_cov  # the unweighted moment, where one is at hand
         fit_q = make_fitter("svd" if method == "random" else method, y, init.ridge, gen, std, y_cov=q_cov)
     rope_cov = rope_covariance(geo, y, src, y_cov, weights)
     rotation = None
@@ -79,9 +83,6 @@ def fit_layer(plan: MLAPlan, i: int, src: SourceAttention, y: torch.Tensor | Non
             rotation = attention_rotation(geo, layer.rope, reading.distances, inv_freq)
         else:
             rotation = residual_rotation(geo, layer.rope, inv_freq, plan.rope_residual_context)
-    # init.query_moment=uniform: the key rows' query term counts every query alike, as the output does
-    uniform_queries = weights is not None and init.objective == "attention" and init.query_moment == "uniform"
-    query_cov = latent.second_moment(y) if uniform_queries else None
     objective = LatentObjective(init.objective, init.key_weight, init.kv_balance, query_cov)
     result = convert_attention(geo, layer.rope, src, layer.kv_lora_rank, fit_kv, fit_q, rope_cov, rotation, objective)
     return result, rope_cov

@@ -350,14 +350,15 @@ def test_token_weights_reach_the_kv_latent_and_rope_key_but_not_the_query_latent
 
 def test_a_uniform_query_moment_moves_only_the_key_rows_weight(tmp_path):
     """init.query_moment=uniform under token_weights attention and objective attention: the key rows' query term
-    counts every query alike, so the latent rows move; with token weights of power 0 (every token alike) the two
-    moments are one, so the fits agree to rounding."""
+    counts every query alike, so the latent rows move, while the query latent, fitted under the same uniform moment
+    either way, stays bit for bit; with token weights of power 0 (every token alike) the two moments are one, so the
+    fits agree to rounding."""
     cal = {**CALIBRATION, "num_tokens": 2048, "heldout_tokens": 0}
 
     def weights(name: str, **init) -> dict:
         init = {"method": "activation", "objective": "attention", "token_weights": "attention", "calibration": cal,
                 **init}
-        convert(ZOO_BASE, tmp_path / name, mla={**BEFORE_MLA, "rope_key": "rorope"}, init=init)
+        convert(ZOO_BASE, tmp_path / name, mla={**BEFORE_MLA, "q_lora_rank": 64, "rope_key": "rorope"}, init=init)
         return load_file(tmp_path / name / "model.safetensors")
 
     r_kv = BEFORE_MLA["kv_lora_rank"]
@@ -367,6 +368,8 @@ def test_a_uniform_query_moment_moves_only_the_key_rows_weight(tmp_path):
     for i in range(4):
         name = f"model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight"
         assert not torch.allclose(uniform[name][:r_kv], weighted[name][:r_kv], rtol=1e-3, atol=0), i
+        for q in ("q_a_proj.weight", "q_b_proj.weight"):
+            assert torch.equal(uniform[f"model.layers.{i}.self_attn.{q}"], weighted[f"model.layers.{i}.self_attn.{q}"])
         torch.testing.assert_close(flat_uniform[name], flat[name], rtol=1e-6, atol=1e-7)
 
 
