@@ -13,6 +13,7 @@
     ecomla run RECIPE.yaml            (the main job and every experiment: convert -> distill -> measure -> eval)
     ecomla variants RECIPE.yaml       (MHA/GQA/MQA/MLA/LRKV pretrained from scratch at equal params and tokens)
     ecomla export gguf CKPT OUT.gguf  (a GGUF for llama.cpp, by llama.cpp's own converter)
+    ecomla average OUT CKPT CKPT ...  (the weights of students of one architecture averaged: a model soup)
     ecomla build TARGET [ARGS ...]    (rebuild committed data: pytext-tasks, tiny-world, tiny-zoo, zoo-table)
 
 Every recipe key, its type, default and meaning is listed by `ecomla <job> --help`.
@@ -43,6 +44,12 @@ def _sample(args: argparse.Namespace) -> None:
                       prompt_tokens=args.prompt_tokens, length=args.length, temperature=args.temperature,
                       top_p=args.top_p, batch_size=args.batch_size, seed=args.seed, device=args.device)
     print(sample_text(spec, force=args.force, progress=not args.quiet))
+
+
+def _average(args: argparse.Namespace) -> None:
+    from ecomla.average import average_checkpoints
+
+    print(average_checkpoints(args.output, args.checkpoints, force=args.force))
 
 
 def _export_gguf(args: argparse.Namespace) -> None:
@@ -291,6 +298,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_recipe_args(p)
     p.set_defaults(func=_variants)
+
+    p = sub.add_parser(
+        "average",
+        help="average the weights of checkpoints of one architecture (a model soup of students)",
+        description="Write the mean of the checkpoints' weights as one checkpoint (the first one's config and "
+        "tokenizer): students distilled from the same conversion by several runs (other seeds, data or learning "
+        "rates) averaged into one model. Checkpoints with other configs, tensor names or shapes are refused before "
+        "anything is written; OUT appears only when whole. Measured on SmolLM2 at 4.0x: averages of five and nine "
+        "students score as the students do (docs/recovery.md), so it is a tool, not a default.",
+        formatter_class=fmt,
+    )
+    p.add_argument("output", metavar="OUT", help="the checkpoint directory to write")
+    p.add_argument("checkpoints", metavar="CKPT", nargs="+", help="two or more checkpoint directories (a run's final/)")
+    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.set_defaults(func=_average)
 
     from ecomla.export.gguf import LLAMA_CPP_VERSION, OUTTYPES, cache_root
 

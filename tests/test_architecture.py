@@ -85,7 +85,7 @@ def test_only_the_entry_point_imports_the_command_line():
 LAYERS = {
     "entry points": ["ecomla", "ecomla.cli", "ecomla.__main__", "ecomla.distill.__main__", "ecomla.run.__main__",
                      "ecomla.recipe.command"],
-    "jobs": ["run", "variants", "analyze", "export", "fetch", "sample", "build"],
+    "jobs": ["run", "variants", "analyze", "export", "fetch", "sample", "average", "build"],
     "pipelines": ["convert", "distill", "eval"],
     "math, models": ["mla", "lrkv", "decode"],
     "foundations": ["recipe", "io", "data", "tinyworld", "pytext", "compat", "errors"],

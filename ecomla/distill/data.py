@@ -24,7 +24,10 @@ from ecomla.distill.recipe import DataSource, DistillRecipe
 def documents(src: DataSource, tokenizer) -> Iterator[Doc]:
     """Tokenized documents of a text or chat source, in order, then those of each `mix` part."""
     for part in (src, *src.mix):
-        yield from _limited(_source_documents(part, tokenizer), part.max_documents, part.max_tokens)
+        docs = _source_documents(part, tokenizer)
+        if part.document_tokens is not None:
+            docs = (Doc(d.ids[:part.document_tokens], d.loss_mask[:part.document_tokens]) for d in docs)
+        yield from _limited(docs, part.max_documents, part.max_tokens)
 
 
 def _source_documents(src: DataSource, tokenizer) -> Iterator[Doc]:
@@ -61,12 +64,13 @@ def prepared_dir(output_dir: str, name: str) -> Path:
 def source_meta(src: DataSource) -> dict:
     """What a prepared shard directory records of the source it packed (and compares before reuse)."""
     return {"source": src.dataset, "format": src.format, "max_documents": src.max_documents,
-            "max_tokens": src.max_tokens, "mix": [source_meta(p) for p in src.mix]}
+            "max_tokens": src.max_tokens, "document_tokens": src.document_tokens,
+            "mix": [source_meta(p) for p in src.mix]}
 
 
 def _matches(meta: dict, src: DataSource, seq_len: int) -> bool:
     want = {**source_meta(src), "seq_len": seq_len}
-    defaults = {"max_tokens": None, "mix": []}  # shards written before these keys existed
+    defaults = {"max_tokens": None, "document_tokens": None, "mix": []}  # shards written before these keys existed
     return all(meta.get(k, defaults.get(k)) == v for k, v in want.items())
 
 

@@ -37,9 +37,13 @@ class DataSource:
         None, help="Read at most this many tokens, the last document cut short (null: all); with mix, the share "
         "of each source in a fixed mixture"
     )
+    document_tokens: int | None = knob(
+        None, help="Keep the first this many tokens of each document (null: whole documents): a token budget "
+        "then spans more documents, instead of a few long ones filling it"
+    )
     mix: list[DataSource] = knob(
         default_factory=list, help="More text sources packed with this one, in order, each a mapping of dataset "
-        "and its own field/format/max_documents/max_tokens: a fixed mixture, e.g. all of a small domain and a "
+        "and its own field/format/max_documents/max_tokens/document_tokens: a fixed mixture, e.g. all of a small domain and a "
         "slice of a large one (training order is shuffled anyway)"
     )
 
@@ -52,6 +56,8 @@ class DataSource:
             return ["max_documents: must be at least 1 (null: all)"]
         if self.max_tokens is not None and self.max_tokens < 1:
             return ["max_tokens: must be at least 1 (null: all)"]
+        if self.document_tokens is not None and self.document_tokens < 1:
+            return ["document_tokens: must be at least 1 (null: whole documents)"]
         if is_endless(self.dataset) and self.max_documents is None and self.max_tokens is None:
             return [f"max_documents: {self.dataset} is an endless generated stream; set how many documents to read"]
         if self.mix and self.prepared is not None:

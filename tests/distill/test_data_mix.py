@@ -1,7 +1,8 @@
 """`data.train.mix` and `max_tokens`: a fixed mixture of text sources for distillation.
 
 Proves: a source's documents come first, then each mix part's, each within its own max_documents / max_tokens
-(the last document cut to the exact token count); shards that `prepare-data` packed for one mixture are not read
+(the last document cut to the exact token count); document_tokens keeps each document's first tokens, so a
+token budget spans more documents; shards that `prepare-data` packed for one mixture are not read
 for another; and the recipe refuses nested mixes, prepared mix parts and empty limits with the key that is wrong.
 """
 
@@ -49,6 +50,21 @@ def test_max_tokens_alone_cuts_the_stream_and_max_documents_still_applies(corpus
     assert [d.ids for d in documents(two, tok)] == full[:2]
 
 
+def test_document_tokens_spreads_a_token_budget_over_more_documents(corpus_dir, tok):
+    a = corpus_dir / "a_fit.jsonl"
+    full = ids_of(a, tok, 40)
+    n = sorted(len(d) for d in full)[len(full) // 2]  # the median length: about half the documents are cut
+    assert any(len(d) > n for d in full) and any(len(d) < n for d in full)
+    cut = [d.ids for d in documents(DataSource(dataset=str(a), max_documents=40, document_tokens=n), tok)]
+    assert cut == [d[:n] for d in full]  # every document's first n tokens, the shorter ones whole
+    budget = sum(len(d) for d in full[:5])
+    whole = list(documents(DataSource(dataset=str(a), max_tokens=budget), tok))
+    spread = list(documents(DataSource(dataset=str(a), max_tokens=budget, document_tokens=n), tok))
+    assert len(whole) == 5 and len(spread) > 5
+    assert sum(len(d.ids) for d in spread) == budget
+    assert [len(d.loss_mask) for d in spread] == [len(d.ids) for d in spread]
+
+
 def distill_recipe(tmp_path, train: dict) -> DistillRecipe:
     return load_recipe(DistillRecipe, data={
         "student": "unused", "output_dir": str(tmp_path / "run"), "teacher": {"source": "none"}, "loss": {"kind": "none", "kd_weight": 0.0, "ce_weight": 1.0},
@@ -69,6 +85,8 @@ def test_shards_of_one_mixture_are_not_read_for_another(corpus_dir, tok, tmp_pat
     assert type(packed).__name__ != "PackedDataset"  # packed again in memory, not the other mixture's shards
     tokens = lambda ds: sum(int((ds.batch([i])["segments"] > 0).sum()) for i in range(len(ds)))  # noqa: E731
     assert tokens(same) - tokens(packed) == 100
+    cut = distill_recipe(tmp_path, {**train, "document_tokens": 8})
+    assert type(open_dataset(cut.data.train, tok, 64, "data.train", cut.output_dir)).__name__ != "PackedDataset"
 
 
 @pytest.mark.parametrize("train, key", [
@@ -77,6 +95,7 @@ def test_shards_of_one_mixture_are_not_read_for_another(corpus_dir, tok, tmp_pat
     ({"prepared": "shards/", "mix": [{"dataset": "y.jsonl"}]}, "mix"),
     ({"dataset": "x.jsonl", "mix": [{"dataset": "y.jsonl", "max_tokens": 0}]}, "mix[0].max_tokens"),
     ({"dataset": "x.jsonl", "max_documents": 0}, "max_documents"),
+    ({"dataset": "x.jsonl", "mix": [{"dataset": "y.jsonl", "document_tokens": 0}]}, "mix[0].document_tokens"),
     ({"dataset": "x.jsonl", "mix": [{"max_tokens": 5}]}, "mix[0].prepared"),
 ])
 def test_bad_mixtures_are_refused_with_the_key_to_fix(tmp_path, train, key):
