@@ -58,6 +58,14 @@ class DataSource:
             return ["max_tokens: must be at least 1 (null: all)"]
         if self.document_tokens is not None and self.document_tokens < 1:
             return ["document_tokens: must be at least 1 (null: whole documents)"]
+        if self.document_tokens is not None and self.format == "chat":
+            return ["document_tokens: a chat's first tokens are mostly its prompt, which trains nothing; cap chats "
+                    "with max_documents or max_tokens"]
+        if self.prepared is not None:
+            capped = [k for k in ("max_documents", "max_tokens", "document_tokens") if getattr(self, k) is not None]
+            if capped:
+                return [f"{capped[0]}: a prepared shard directory is read whole; set the caps in the recipe that "
+                        "`ecomla prepare-data` packs it from, or give the dataset here"]
         if is_endless(self.dataset) and self.max_documents is None and self.max_tokens is None:
             return [f"max_documents: {self.dataset} is an endless generated stream; set how many documents to read"]
         if self.mix and self.prepared is not None:

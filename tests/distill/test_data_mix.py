@@ -96,6 +96,9 @@ def test_shards_of_one_mixture_are_not_read_for_another(corpus_dir, tok, tmp_pat
     ({"dataset": "x.jsonl", "mix": [{"dataset": "y.jsonl", "max_tokens": 0}]}, "mix[0].max_tokens"),
     ({"dataset": "x.jsonl", "max_documents": 0}, "max_documents"),
     ({"dataset": "x.jsonl", "mix": [{"dataset": "y.jsonl", "document_tokens": 0}]}, "mix[0].document_tokens"),
+    ({"dataset": "x.jsonl", "format": "chat", "document_tokens": 512}, "document_tokens"),
+    ({"prepared": "shards/", "document_tokens": 512}, "document_tokens"),
+    ({"prepared": "shards/", "max_tokens": 512}, "max_tokens"),
     ({"dataset": "x.jsonl", "mix": [{"max_tokens": 5}]}, "mix[0].prepared"),
 ])
 def test_bad_mixtures_are_refused_with_the_key_to_fix(tmp_path, train, key):
