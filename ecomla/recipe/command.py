@@ -31,6 +31,14 @@ def add_recipe_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
+EXTENDS_HELP = """
+
+extends: OTHER.yaml (top level, any recipe file): build on another recipe. OTHER.yaml is read first (a path
+  relative to this file; it may extend another in turn), then this file's keys are merged over it, mapping by
+  mapping at every depth: a list or a value replaces the other's. --set applies last. The resolved recipe is what
+  runs and what is saved beside the outputs, so reruns reuse stages exactly as if the keys were written out."""
+
+
 class RecipeHelpParser(argparse.ArgumentParser):
     """An ArgumentParser whose epilog lists a recipe class's keys, built only when help is shown.
 
@@ -46,7 +54,7 @@ class RecipeHelpParser(argparse.ArgumentParser):
         if self.recipe is not None and self.epilog is None:
             module, name = self.recipe.rsplit(":", 1)
             cls = getattr(__import__(module, fromlist=[name]), name)
-            self.epilog = "recipe keys:\n" + format_fields(cls)
+            self.epilog = "recipe keys:\n" + format_fields(cls) + EXTENDS_HELP
         return super().format_help()
 
 

@@ -5,7 +5,10 @@ A recipe is a plain ``@dataclass`` whose fields are all declared with :func:`kno
 ``--set a.b=value`` overrides, checks each value against the field's annotation,
 runs each dataclass's optional ``check()`` for cross-field rules, and raises one
 :class:`RecipeError` listing everything that is wrong, so a user can fix a recipe
-in a single edit instead of one crash per run. :func:`save_recipe` writes the
+in a single edit instead of one crash per run. A recipe file may build on another
+with ``extends: OTHER.yaml`` (a path relative to the file): its own keys are merged
+over the other's, key by key at every depth, so a family of experiments keeps one
+body and each file says only what it changes. :func:`save_recipe` writes the
 resolved recipe next to a run for provenance; :func:`describe_fields` and
 :func:`format_fields` turn the schema into ``--help`` text.
 """
@@ -294,7 +297,19 @@ def _yaml_error(exc: yaml.YAMLError) -> str:
     return f"invalid YAML{where}: {problem or ' '.join(str(exc).split())}"
 
 
-def _read_yaml(path: str | os.PathLike) -> dict:
+def merged(base: dict, over: dict) -> dict:
+    """A copy of `base` with `over` merged in, key by key at every depth (a non-dict value replaces)."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+EXTENDS = "extends"  # the top-level key of a recipe file that names the recipe it builds on
+
+
+def _read_yaml(path: str | os.PathLike, chain: tuple[Path, ...] = ()) -> dict:
+    """The mapping of one recipe file, with its `extends:` chain resolved (`chain`: the files that extend it)."""
     where = os.fspath(path)
     try:
         with open(path, encoding="utf-8") as fh:
@@ -309,9 +324,28 @@ def _read_yaml(path: str | os.PathLike) -> dict:
         if data is None:  # an empty file is an empty recipe
             return {}
         if isinstance(data, dict):
-            return data
+            return _resolve_extends(data, Path(path), chain) if EXTENDS in data else data
         msg = f"top level must be a mapping of keys, got {_got(data)}"
     raise RecipeError([f"{where}: {msg}"], where)
+
+
+def _resolve_extends(data: dict, path: Path, chain: tuple[Path, ...]) -> dict:
+    """`data` (the file `path`) merged over the recipe its `extends:` names, itself resolved the same way."""
+    where, parent = os.fspath(path), data.pop(EXTENDS)
+    if not isinstance(parent, str) or not parent.strip():
+        raise RecipeError([f"{where}: {EXTENDS}: give the path of the recipe this one builds on, relative to this "
+                           f"file (e.g. extends: base.yaml), got {_got(parent)}"], where)
+    chain = (*chain, path.resolve())
+    target = path.parent / parent
+    if target.resolve() in chain:
+        cycle = " -> ".join(os.fspath(p) for p in (*chain, target.resolve()))
+        raise RecipeError([f"{where}: {EXTENDS}: {parent!r} closes a loop ({cycle}); a recipe cannot build on "
+                           "itself"], where)
+    try:
+        base = _read_yaml(target, chain)
+    except RecipeError as err:
+        raise RecipeError([f"{where}: {EXTENDS}: {parent!r}: {p}" for p in err.problems], where) from None
+    return merged(base, data)
 
 
 def _apply_overrides(raw: dict, overrides: Sequence[str], ctx: _Ctx) -> None:

@@ -46,9 +46,9 @@ from pathlib import Path
 from typing import Any
 
 from ecomla.io.fingerprint import CachedStage, digest, path_fingerprint
-from ecomla.recipe.schema import RecipeError, load_recipe, recipe_to_dict, save_recipe
+from ecomla.recipe.schema import RecipeError, load_recipe, merged, recipe_to_dict, save_recipe
 from ecomla.run.adopt import STAGE_VERSIONS, adopt as adopt_earlier
-from ecomla.run.recipe import RunRecipe, merged
+from ecomla.run.recipe import RunRecipe
 
 
 @dataclass

@@ -17,15 +17,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from ecomla.recipe.schema import knob
-
-
-def merged(base: dict, over: dict) -> dict:
-    """A copy of `base` with `over` merged in, key by key at every depth (a non-dict value replaces)."""
-    out = dict(base)
-    for k, v in over.items():
-        out[k] = merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
+from ecomla.recipe.schema import knob, merged
 
 
 def has_key(body: dict, dotted: str) -> bool:

@@ -401,3 +401,49 @@ def test_asks_the_same_reads_a_parent_default_instance_and_lists_of_recipe_class
     assert not asks_the_same(old, {**new, "mla": {**new["mla"], "rope_dim": 16}}, Parts)
     assert not asks_the_same({**old, "parts": [{"path": "a"}]}, new, Parts)  # one part fewer
     assert not asks_the_same({**old, "parts": [{"path": "a"}, {"path": "b"}]}, new, Parts)  # cap set since
+
+
+def test_extends_merges_the_file_over_its_base_at_every_depth(tmp_path):
+    """A file's keys merge over the recipe it extends: mappings key by key, lists and values replace, a null
+    replaces too; the base may extend another (paths relative to each file) and --set applies last."""
+    write(tmp_path, FULL, "root.yaml")
+    (tmp_path / "family").mkdir()
+    write(tmp_path, "extends: ../root.yaml\nmla: {q_lora_rank: 1024}\ninit: {layers: [1]}\n", "family/mid.yaml")
+    leaf = write(tmp_path, "extends: mid.yaml\noutput: null\nteacher: {temperature: 3}\nloss_weights: {ce: 1}\nlr: 1e-4\n",
+                 "family/leaf.yaml")
+    r = load_recipe(Recipe, leaf, overrides=["mla.rope_dim=32"])
+    assert r.mla == Mla(kv_lora_rank=256, q_lora_rank=1024, rope_dim=32)  # mid's key beside root's, then --set
+    assert r.init == Init(method="activation", layers=[1])  # a list replaces, it does not append
+    assert r.teacher == Teacher(name="big-model", temperature=3.0) and r.output is None  # a null replaces too
+    assert r.loss_weights == {"kd": 1.0, "ce": 1.0}  # a mapping merges, key by key
+    assert r.lr == pytest.approx(1e-4) and r.model == "meta-llama/Llama-3.2-1B" and r.betas == (0.8, 0.9)
+    # the same recipe as the keys written out in one file: what runs, and what save_recipe writes beside a run
+    flat = yaml.safe_load(FULL)
+    flat.update(mla={"kv_lora_rank": 256, "q_lora_rank": 1024, "rope_dim": 32}, init={"method": "activation",
+                "layers": [1]}, output=None, teacher={"name": "big-model", "temperature": 3}, loss_weights={"kd": 1, "ce": 1}, lr=1e-4)
+    assert recipe_to_dict(r) == recipe_to_dict(load_recipe(Recipe, data=flat))
+
+
+def test_extends_problems_name_the_file_and_the_fix(tmp_path):
+    child = write(tmp_path, "extends: nowhere.yaml\nmodel: m\n", "child.yaml")
+    assert problems_of(child) == [f"{child}: extends: 'nowhere.yaml': {tmp_path / 'nowhere.yaml'}: file not found"]
+    for value, got in (("[a.yaml]", "list"), ("''", "str ''"), ("null", "null")):
+        bad = write(tmp_path, f"extends: {value}\nmodel: m\n", "bad.yaml")
+        (problem,) = problems_of(bad)
+        assert problem.startswith(f"{bad}: extends: give the path of the recipe") and problem.endswith(f"got {got}")
+    write(tmp_path, "extends: b.yaml\nmodel: m\n", "a.yaml")
+    write(tmp_path, "extends: a.yaml\n", "b.yaml")
+    (problem,) = problems_of(tmp_path / "a.yaml")
+    assert "closes a loop" in problem and problem.count("a.yaml") == 4  # the file, its value, and the loop a -> b -> a
+    selfish = write(tmp_path, "extends: self.yaml\n", "self.yaml")
+    assert "closes a loop" in problems_of(selfish)[0]
+    broken = write(tmp_path, "model: [unclosed\n", "broken.yaml")
+    child = write(tmp_path, "extends: broken.yaml\n", "child.yaml")
+    (problem,) = problems_of(child)
+    assert problem.startswith(f"{child}: extends: 'broken.yaml': {broken}: invalid YAML at line ")
+    # a base's schema problems are reported like the file's own, after the merge
+    write(tmp_path, "model: m\nlr: 7\nmla: {kv_lora_rank: 0}\n", "base.yaml")
+    child = write(tmp_path, "extends: base.yaml\nmla: {q_lora_rank: 1}\n", "child.yaml")
+    assert problems_of(child) == ["mla.kv_lora_rank: must be positive"]
+    child = write(tmp_path, "extends: base.yaml\nmla: {kv_lora_rank: 8}\n", "child.yaml")
+    assert problems_of(child) == ["lr looks like a percentage, not a rate"]

@@ -189,7 +189,7 @@ def test_distillation_variants_measured_along_the_way(source_factory, tmp_path, 
 
 def test_the_levers_recipe_switches_off_each_of_bests_levers():
     from ecomla.convert.presets import BEST_LEVERS
-    from ecomla.run.recipe import merged
+    from ecomla.recipe.schema import merged
 
     r = load_recipe(RunRecipe, Path(__file__).resolve().parents[2] / "recipes" / "run" / "best_levers_smollm2.yaml")
     assert r.presets == ["best", *(f"best-no-{lever}" for lever in BEST_LEVERS)]
