@@ -139,6 +139,13 @@ def _data_fingerprints(distill, seen: dict[str, str]) -> list[str]:
     return out
 
 
+def _local_text_fingerprints(paths: list[str | None]) -> list[str]:
+    """The fingerprints of the local text files among `paths` (a calibration set, the measure's other text): what
+    a stage read from them joins its key, so a file edited in place reruns the stage. A named corpus (pytext:,
+    tinyworld:, a hub name) stands for itself in the recipe and adds nothing, which keeps those stages' keys."""
+    return [path_fingerprint(p) for p in paths if p is not None and Path(p).exists()]
+
+
 def _teacher_source(distill: dict) -> str:
     from ecomla.distill.recipe import TeacherConfig
 
@@ -184,8 +191,10 @@ def _convert_stages(recipe: RunRecipe, out: Path, base_fp: str, adopt: bool) -> 
                 section = f"{section} with variants.{preset}"
             fills = {"model": recipe.base, "output_dir": "", "mla": fills_mla}
             sub = _sub_recipe(ConvertRecipe, section, recipe.convert_for(ratio, preset), fills)
-            stage = _keyed("convert", label, sub, recipe_to_dict(sub), [base_fp], out,
-                           {"point": point, "ratio": ratio, "preset": preset}, adopt=adopt)
+            calibration = sub.init.calibration
+            texts = [calibration.dataset, calibration.heldout and calibration.heldout.dataset] if calibration else []
+            stage = _keyed("convert", label, sub, recipe_to_dict(sub), [base_fp, *_local_text_fingerprints(texts)],
+                           out, {"point": point, "ratio": ratio, "preset": preset}, adopt=adopt)
             sub.output_dir = str(stage.model_dir)
             stages.append(stage)
     return stages
@@ -270,10 +279,11 @@ def plan(recipe: RunRecipe, *, adopt: bool = True) -> list[Stage]:
                     finals.append(src)
     if recipe.measure is not None:
         settings = recipe_to_dict(recipe.measure)
+        other = _local_text_fingerprints([recipe.measure.other_text])
         for of in [s for s in stages if s.kind == "convert"] + finals:
             label = f"measure-{of.name}"
-            stages.append(_keyed("measure", label, recipe.measure, settings, [of.key, base_fp], out, dict(of.info),
-                                 of, adopt))
+            stages.append(_keyed("measure", label, recipe.measure, settings, [of.key, base_fp, *other], out,
+                                 dict(of.info), of, adopt))
     return stages
 
 

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import yaml
 
 from ecomla.eval.runner import EvalError
-from ecomla.recipe.schema import RecipeError, load_recipe
+from ecomla.io.fingerprint import path_fingerprint
+from ecomla.recipe.schema import RecipeError, load_recipe, merged
 from ecomla.run.pipeline import plan, run
 from ecomla.run.recipe import RunRecipe
 
@@ -88,6 +90,36 @@ def test_convert_keys_per_ratio(world, tmp_path):
     assert "convert_by_ratio.3.0.mla.kv_lora_rank: set by `ecomla run`" in text
     with pytest.raises(RecipeError, match=r"convert \(at 4.0x\)\.mla\.rope_dim: unknown key"):
         plan(run_recipe(world, tmp_path / "r", convert_by_ratio={4.0: {"mla": {"rope_dim": 4}}}))
+
+
+def test_local_calibration_and_other_text_files_join_their_stages_keys(world, tmp_path):
+    """A conversion calibrated on a local file, and the measure's other text, rerun when the file is edited in
+    place (the recipe, which names only the path, is the same); named corpora keep the keys they had."""
+    shutil.copy(world["corpus"] / "a_fit.jsonl", tmp_path / "cal.jsonl")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "a.txt").write_text("Some text of another kind. " * 40)
+    calibrated = {"init": {"method": "activation", "calibration": {"dataset": str(tmp_path / "cal.jsonl"),
+                                                                   "num_tokens": 128, "seq_len": 64,
+                                                                   "heldout_tokens": 0}}}
+    changes = {"presets": ["cal"], "variants": {"cal": calibrated}, "distill_teachers": [], "distill": None,
+               "eval": None, "measure": {"eval_tokens": 64, "seq_len": 64, "other_text": str(tmp_path / "other")}}
+
+    def keys():
+        return {s.label: s.key for s in plan(run_recipe(world, tmp_path / "r", **changes), adopt=False)}
+
+    before = keys()
+    assert sorted(before) == ["convert-2x-cal", "convert-4x-cal", "measure-convert-2x-cal", "measure-convert-4x-cal"]
+    with (tmp_path / "cal.jsonl").open("a") as fh:
+        fh.write(json.dumps({"text": "one more calibration document"}) + "\n")
+    edited = keys()
+    assert all(edited[label] != before[label] for label in before)  # every conversion, and so its measure
+    (tmp_path / "other" / "a.txt").write_text("Other words entirely. " * 40)
+    assert {label: key != edited[label] for label, key in keys().items()} == {
+        "convert-2x-cal": False, "convert-4x-cal": False, "measure-convert-2x-cal": True,
+        "measure-convert-4x-cal": True}
+    named = {**changes, "variants": {"cal": merged(calibrated, {"init": {"calibration": {"dataset": "pytext:calibration"}}})}}
+    stage = plan(run_recipe(world, tmp_path / "r", **named), adopt=False)[0]
+    assert stage.inputs == [path_fingerprint(world["base"])]  # a named corpus adds no input, so keys stay as they were
 
 
 def with_cache(recipe: RunRecipe, **teacher) -> dict:
