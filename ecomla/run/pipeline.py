@@ -215,6 +215,7 @@ def plan(recipe: RunRecipe, *, adopt: bool = True) -> list[Stage]:
     data_fps: dict[str, str] = {}
     caches: dict[str, Stage] = {}
     along = recipe.measure is not None and recipe.measure.every_tokens > 0
+    other = _local_text_fingerprints([recipe.measure.other_text]) if recipe.measure is not None else []
     if recipe.distill is not None and _teacher_source(recipe.distill) == "cache":
         for teacher in recipe.used_teachers:
             label = f"teacher-cache-{teacher}"
@@ -265,7 +266,7 @@ def plan(recipe: RunRecipe, *, adopt: bool = True) -> list[Stage]:
                         as_dict.pop("student")
                         as_dict["teacher"].pop("cache_dir")  # a path under output_dir; the cache's key stands for it
                         # measured along the way: the points are an output, so their settings and offset are inputs
-                        extra = [recipe_to_dict(recipe.measure), done] if along else []
+                        extra = [recipe_to_dict(recipe.measure), done, *other] if along else []
                         inputs = [src.key, teacher_fp[teacher], _data_fingerprints(sub, data_fps),
                                   cache.key if cache is not None else None, *extra]
                         stage = _keyed("distill", label, sub, as_dict, inputs, out,
@@ -279,7 +280,6 @@ def plan(recipe: RunRecipe, *, adopt: bool = True) -> list[Stage]:
                     finals.append(src)
     if recipe.measure is not None:
         settings = recipe_to_dict(recipe.measure)
-        other = _local_text_fingerprints([recipe.measure.other_text])
         for of in [s for s in stages if s.kind == "convert"] + finals:
             label = f"measure-{of.name}"
             stages.append(_keyed("measure", label, recipe.measure, settings, [of.key, base_fp, *other], out,
@@ -401,6 +401,7 @@ def run(recipe: RunRecipe, *, force: bool = False, progress: bool = True) -> Pat
     t_run = time.time()
     stick = None  # the yardstick: the base's log-probs on the held-out text, computed once, when first needed
     along = recipe.measure is not None and recipe.measure.every_tokens > 0
+    other = _local_text_fingerprints([recipe.measure.other_text]) if recipe.measure is not None else []
     for i, stage in enumerate(stages, 1):
         what = f"[{i}/{total}] {stage.label}"
         if stage.done():
