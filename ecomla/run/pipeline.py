@@ -401,7 +401,6 @@ def run(recipe: RunRecipe, *, force: bool = False, progress: bool = True) -> Pat
     t_run = time.time()
     stick = None  # the yardstick: the base's log-probs on the held-out text, computed once, when first needed
     along = recipe.measure is not None and recipe.measure.every_tokens > 0
-    other = _local_text_fingerprints([recipe.measure.other_text]) if recipe.measure is not None else []
     for i, stage in enumerate(stages, 1):
         what = f"[{i}/{total}] {stage.label}"
         if stage.done():

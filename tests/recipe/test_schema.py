@@ -409,8 +409,8 @@ def test_extends_merges_the_file_over_its_base_at_every_depth(tmp_path):
     write(tmp_path, FULL, "root.yaml")
     (tmp_path / "family").mkdir()
     write(tmp_path, "extends: ../root.yaml\nmla: {q_lora_rank: 1024}\ninit: {layers: [1]}\n", "family/mid.yaml")
-    leaf = write(tmp_path, "extends: mid.yaml\noutput: null\nteacher: {temperature: 3}\nloss_weights: {ce: 1}\nlr: 1e-4\n",
-                 "family/leaf.yaml")
+    leaf = write(tmp_path, "extends: mid.yaml\noutput: null\nteacher: {temperature: 3}\nloss_weights: {ce: 1}\n"
+                 "lr: 1e-4\n", "family/leaf.yaml")
     r = load_recipe(Recipe, leaf, overrides=["mla.rope_dim=32"])
     assert r.mla == Mla(kv_lora_rank=256, q_lora_rank=1024, rope_dim=32)  # mid's key beside root's, then --set
     assert r.init == Init(method="activation", layers=[1])  # a list replaces, it does not append
@@ -419,8 +419,9 @@ def test_extends_merges_the_file_over_its_base_at_every_depth(tmp_path):
     assert r.lr == pytest.approx(1e-4) and r.model == "meta-llama/Llama-3.2-1B" and r.betas == (0.8, 0.9)
     # the same recipe as the keys written out in one file: what runs, and what save_recipe writes beside a run
     flat = yaml.safe_load(FULL)
-    flat.update(mla={"kv_lora_rank": 256, "q_lora_rank": 1024, "rope_dim": 32}, init={"method": "activation",
-                "layers": [1]}, output=None, teacher={"name": "big-model", "temperature": 3}, loss_weights={"kd": 1, "ce": 1}, lr=1e-4)
+    flat.update(mla={"kv_lora_rank": 256, "q_lora_rank": 1024, "rope_dim": 32},
+                init={"method": "activation", "layers": [1]}, output=None,
+                teacher={"name": "big-model", "temperature": 3}, loss_weights={"kd": 1, "ce": 1}, lr=1e-4)
     assert recipe_to_dict(r) == recipe_to_dict(load_recipe(Recipe, data=flat))
 
 

@@ -120,13 +120,17 @@ def test_local_calibration_and_other_text_files_join_their_stages_keys(world, tm
     # a distillation measured along the way reads the other text too, so it reruns with it; one that is not does not
     along = {"eval": None, "measure": {**changes["measure"], "every_tokens": 256}}
     quiet = {"eval": None, "measure": changes["measure"]}
-    distills = {name: {s.label: s.key for s in plan(run_recipe(world, tmp_path / "r", **keys), adopt=False)
-                       if s.kind == "distill"} for name, keys in (("along", along), ("quiet", quiet))}
+    def distill_keys(measure: dict) -> dict[str, str]:
+        stages = plan(run_recipe(world, tmp_path / "r", **measure), adopt=False)
+        return {s.label: s.key for s in stages if s.kind == "distill"}
+
+    distills = {name: distill_keys(measure) for name, measure in (("along", along), ("quiet", quiet))}
     (tmp_path / "other" / "a.txt").write_text("And other words again. " * 40)
-    for name, keys in (("along", along), ("quiet", quiet)):
-        now = {s.label: s.key for s in plan(run_recipe(world, tmp_path / "r", **keys), adopt=False) if s.kind == "distill"}
+    for name, measure in (("along", along), ("quiet", quiet)):
+        now = distill_keys(measure)
         assert len(now) == 4 and all((now[label] != key) == (name == "along") for label, key in distills[name].items())
-    named = {**changes, "variants": {"cal": merged(calibrated, {"init": {"calibration": {"dataset": "pytext:calibration"}}})}}
+    pytext = {"init": {"calibration": {"dataset": "pytext:calibration"}}}
+    named = {**changes, "variants": {"cal": merged(calibrated, pytext)}}
     stage = plan(run_recipe(world, tmp_path / "r", **named), adopt=False)[0]
     assert stage.inputs == [path_fingerprint(world["base"])]  # a named corpus adds no input, so keys stay as they were
 
