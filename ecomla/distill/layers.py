@@ -8,6 +8,10 @@ hidden states instead of its predecessor's output (teacher forcing: the source's
     with LayerCatch(ILDTarget.BLOCK).on(model) as caught:
         model.get_decoder()(**inputs)
     caught.outputs   # L tensors (B, T, d), in layer order
+    caught.rows(valid)   # the same at the positions of a (B, T) mask: L tensors (N, d)
+
+`ILDTarget.ATTENTION_MAP` keeps each attention module's probabilities instead, (B, H, T, T), which only eager
+attention returns (load the model with `attn_implementation="eager"`); their rows are (N, H, T).
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ class LayerCatch:
         self.outputs = [None] * len(layers)
         self.inputs = [None] * len(layers)
         for i, layer in enumerate(layers):
-            watched = layer if self.target is ILDTarget.BLOCK else layer.self_attn
+            watched = layer if self.target is ILDTarget.BLOCK else layer.self_attn  # attention's output, or its map
             self._handles.append(watched.register_forward_hook(self._catch_output(i)))
             if self.keep_inputs or self.feed is not None:
                 self._handles.append(layer.register_forward_pre_hook(self._on_input(i), with_kwargs=True))
@@ -61,9 +65,24 @@ class LayerCatch:
             h.remove()
         self._handles = []
 
+    def rows(self, valid: Tensor) -> list[Tensor]:
+        """Each layer's caught output at the positions where the (B, T) mask `valid` holds: (N, d) per layer, or
+        (N, H, T) attention rows (one per query token) for ATTENTION_MAP."""
+        if self.target is ILDTarget.ATTENTION_MAP:
+            return [o.transpose(1, 2)[valid] for o in self.outputs]
+        return [o[valid] for o in self.outputs]
+
     def _catch_output(self, i: int):
         def hook(module, args, out):
-            self.outputs[i] = out[0] if isinstance(out, tuple) else out  # attention returns (output, weights)
+            if self.target is not ILDTarget.ATTENTION_MAP:
+                self.outputs[i] = out[0] if isinstance(out, tuple) else out  # attention returns (output, weights)
+                return
+            weights = out[1] if isinstance(out, tuple) and len(out) > 1 else None
+            if weights is None:
+                raise RuntimeError(f"ild_target attention_map: layer {i}'s attention returned no probabilities; "
+                                   "load the model with attn_implementation='eager' (sdpa and flash attention "
+                                   "never form them)")
+            self.outputs[i] = weights
 
         return hook
 

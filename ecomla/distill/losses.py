@@ -20,7 +20,10 @@ Intermediate-layer distillation (ILD) compares hidden states, not distributions:
 each of the L layers, the student's output h_l and the source model's t_l at the same
 token, per token  (1/L)·Σ_l ‖h_l − t_l‖² / ‖t_l‖²  (`ild_per_token`), a relative error
 that is 0 when the student computes its source's layers and does not depend on how
-large the residual stream has grown at that token.
+large the residual stream has grown at that token. With the `attention_map` target it
+compares where each head looks instead: per query token, the mean over layers and heads
+of KL(a‖b) between the source's attention row a and the student's b
+(`attention_kl_per_token`; MOHAWK's first stage aligns the same matrices).
 
 Sparse teachers and the tail bucket. A dataset of saved teacher logits keeps only
 the top-k log-probs per token plus the log of the mass outside them. The two
@@ -70,6 +73,7 @@ class ILDTarget(str, enum.Enum):
 
     BLOCK = "block"  # the decoder layer's output: the residual stream after the layer
     ATTENTION = "attention"  # the attention module's output (after o_proj), before it joins the residual stream
+    ATTENTION_MAP = "attention_map"  # each head's attention probabilities over the keys (eager attention)
 
 
 class ILDInputs(str, enum.Enum):
@@ -108,12 +112,15 @@ class LossConfig:
 
     ild_weight: float = knob(
         0.0, help="Weight of intermediate-layer distillation: per token, the mean over layers of ‖h − t‖²/‖t‖² "
-        "between each student layer's output and the source model's (teacher.ild_model). 0: off. With kd_weight "
-        "and ce_weight 0 the run trains on ILD alone (a first stage; KD and CE are still logged)"
+        "between each student layer's output and the source model's (teacher.ild_model), or with ild_target "
+        "attention_map the mean KL of each head's attention row. 0: off. With kd_weight and ce_weight 0 the run "
+        "trains on ILD alone (a first stage; KD and CE are still logged)"
     )
     ild_target: ILDTarget = knob(
         ILDTarget.BLOCK, help="block: each decoder layer's output (the residual stream). attention: each attention "
-        "module's output, before the residual add"
+        "module's output, before the residual add. attention_map: each head's attention probabilities, "
+        "KL(source ‖ student) per query row (both models then run eager attention: memory ∝ layers × heads × "
+        "seq_len² per sequence)"
     )
     ild_inputs: ILDInputs = knob(
         ILDInputs.STUDENT, help="student: each student layer reads its own previous layer (the drift below it counts). "
@@ -319,6 +326,25 @@ def ild_per_token(student: list[Tensor], source: list[Tensor]) -> Tensor:
         t = t.detach().float()
         err = (h.float() - t).square().sum(-1) / t.square().sum(-1).clamp_min(1e-12)  # (N,)
         total = err if total is None else total + err
+    return total / len(student)
+
+
+def attention_kl_per_token(student: list[Tensor], source: list[Tensor]) -> Tensor:
+    """Mean over layers and heads of KL(a‖b) per query token, a the source's attention row over the keys and b the
+    student's: L pairs of (N, H, T) probabilities -> (N,) float32. Keys neither model attends to (the causal
+    mask's) add 0; the source's rows carry no gradient.
+    """
+    if len(student) != len(source) or not student:
+        raise ValueError(f"ILD needs the same number of layers on both sides, got {len(student)} and {len(source)}")
+    total = None
+    for b, a in zip(student, source):
+        if b.shape != a.shape:
+            raise ValueError(f"attention maps of shape {tuple(b.shape)} (student) and {tuple(a.shape)} (source): "
+                             "attention_map needs the same number of query heads on both sides")
+        a = a.detach().float()
+        # a·log b with b clamped: a row's key that the student's softmax underflowed to 0 costs a·69, not inf
+        kl = (torch.xlogy(a, a) - torch.xlogy(a, b.float().clamp_min(1e-30))).sum(-1).mean(-1)  # (N,)
+        total = kl if total is None else total + kl
     return total / len(student)
 
 

@@ -34,9 +34,11 @@ def load_tokenizer(path: str):
         raise ModelSetupError(f"tokenizer: cannot load one from {path} ({type(err).__name__}: {err})") from err
 
 
-def load_causal_lm(path: str, dtype: torch.dtype, what: str):
+def load_causal_lm(path: str, dtype: torch.dtype, what: str, attn_implementation: str | None = None):
+    """`attn_implementation`: None for transformers' default, "eager" where attention probabilities are needed."""
     try:
-        return AutoModelForCausalLM.from_pretrained(resolve_model_dir(path), dtype=dtype)
+        return AutoModelForCausalLM.from_pretrained(resolve_model_dir(path), dtype=dtype,
+                                                    attn_implementation=attn_implementation)
     except Exception as err:
         raise ModelSetupError(f"{what}: cannot load {path} ({type(err).__name__}: {err})") from err
 
@@ -62,10 +64,14 @@ def check_pair(student_cfg, teacher_cfg, student_tok, teacher_tok) -> list[str]:
     return problems
 
 
-def check_layers(student_cfg, source_cfg, what: str, path: str) -> str | None:
-    """ILD pairs each student layer with its source's: the same number of layers of the same width."""
+def check_layers(student_cfg, source_cfg, what: str, path: str, heads: bool = False) -> str | None:
+    """ILD pairs each student layer with its source's: the same number of layers of the same width (and, with
+    `heads`, for attention maps, the same number of query heads)."""
     want = (student_cfg.num_hidden_layers, student_cfg.hidden_size)
     have = (source_cfg.num_hidden_layers, source_cfg.hidden_size)
+    if heads and want == have and student_cfg.num_attention_heads != source_cfg.num_attention_heads:
+        return (f"{what}: {path} has {source_cfg.num_attention_heads} query heads, the student "
+                f"{student_cfg.num_attention_heads}; loss.ild_target attention_map pairs them head by head")
     if want != have:
         return (f"{what}: {path} has {have[0]} layers of width {have[1]}, the student {want[0]} of width {want[1]}; "
                 "intermediate-layer distillation needs the model the student was converted from (set "

@@ -44,7 +44,8 @@ from ecomla.distill import models
 from ecomla.distill.data import model_inputs, open_dataset
 from ecomla.distill.ds_config import build_ds_config, teacher_ds_config
 from ecomla.distill.layers import LayerCatch
-from ecomla.distill.losses import ILDInputs, KDLoss, LossConfig, LossSums, chunked_loss, ild_per_token
+from ecomla.distill.losses import (ILDInputs, ILDTarget, KDLoss, LossConfig, LossSums, attention_kl_per_token,
+                                   chunked_loss, ild_per_token)
 from ecomla.distill.monitor import RunLog
 from ecomla.distill.recipe import DistillRecipe
 from ecomla.distill.runtime import Dist, all_reduce_max, all_reduce_sum, barrier, init_distributed
@@ -166,7 +167,8 @@ def batch_loss(student, teacher, batch: dict, indices: list[int], spec: LossConf
                                 num_chunks=num_chunks)
     if source is None:
         return sums
-    ild = ild_per_token([h[valid] for h in mine.outputs], [t[valid] for t in source.outputs]).sum()
+    per_token = attention_kl_per_token if spec.ild_target is ILDTarget.ATTENTION_MAP else ild_per_token
+    ild = per_token(mine.rows(valid), source.rows(valid)).sum()
     total = spec.ild_weight * ild if not spec.trains_output else sums.total + spec.ild_weight * ild
     return LossSums(total, sums.kd, sums.ce, sums.tokens, ild=ild)
 
@@ -234,8 +236,10 @@ class DistillRun:
         # Alive while models are built: ZeRO-3 partitions them at construction, weight init intact.
         self._hf_ds = HfDeepSpeedConfig(self.ds_config) if r.deepspeed.zero_stage == 3 else None
         torch.manual_seed(r.train.seed)
+        # attention maps for ILD: only eager attention forms them, in every model the ILD term reads
+        attn = "eager" if self.spec.uses_ild and self.spec.ild_target is ILDTarget.ATTENTION_MAP else None
         if r.student is not None:
-            student = models.load_causal_lm(r.student, self.dtype, "student")
+            student = models.load_causal_lm(r.student, self.dtype, "student", attn)
         else:
             student = models.build_from_config(r.student_config, self.dtype)
         teacher_model = ild_model = None
@@ -247,7 +251,8 @@ class DistillRun:
         shared = ild_path is not None and r.teacher.source == "live" and ild_path == r.teacher.model
         if self.spec.uses_teacher or shared:
             if r.teacher.source == "live":
-                teacher_model = models.load_causal_lm(r.teacher.model, teacher_dtype(r), "teacher").eval().requires_grad_(False)
+                teacher_model = models.load_causal_lm(r.teacher.model, teacher_dtype(r), "teacher",
+                                                      attn if shared else None).eval().requires_grad_(False)
                 t_tok = models.load_tokenizer(r.teacher.model)
                 problems = models.check_pair(student.config, teacher_model.config, self.tokenizer, t_tok)
                 if problems:
@@ -257,8 +262,8 @@ class DistillRun:
         if ild_path is not None:
             what = "teacher.ild_model" if r.teacher.ild_model else "teacher.model (the ILD source)"
             ild_model = teacher_model if shared else \
-                models.load_causal_lm(ild_path, teacher_dtype(r), what).eval().requires_grad_(False)
-            problem = models.check_layers(student.config, ild_model.config, what, ild_path)
+                models.load_causal_lm(ild_path, teacher_dtype(r), what, attn).eval().requires_grad_(False)
+            problem = models.check_layers(student.config, ild_model.config, what, ild_path, heads=attn is not None)
             if problem:
                 raise TrainingError(problem)
         if len(self.tokenizer) > student.config.vocab_size:

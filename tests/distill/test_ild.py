@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from ecomla.distill.layers import LayerCatch
-from ecomla.distill.losses import ILDTarget, LossConfig, LossConfigError, ild_per_token
+from ecomla.distill.losses import ILDTarget, LossConfig, LossConfigError, attention_kl_per_token, ild_per_token
 from tests.distill import world as w
 
 
@@ -38,6 +38,41 @@ def test_ild_per_token_is_a_relative_error_that_only_the_student_learns_from():
     assert all(x.grad is None for x in src)  # the source carries no gradient
     with pytest.raises(ValueError, match="same number of layers"):
         ild_per_token(noisy[:1], t)
+
+
+def test_attention_kl_per_token_is_zero_for_the_same_rows_and_only_the_student_learns_from_it():
+    gen = torch.Generator().manual_seed(0)
+    causal = torch.ones(6, 6).tril().bool()  # (T, T): query t sees keys 0..t
+    def rows(scale):  # two layers of (N=6, H=3, T=6) attention rows, the causal mask's keys exactly 0
+        return [torch.randn(6, 3, 6, generator=gen).mul(scale).masked_fill(~causal[:, None, :], float("-inf"))
+                .softmax(-1) for _ in range(2)]
+    a = rows(3.0)
+    b = [x.clone().requires_grad_(True) for x in a]
+    assert torch.equal(attention_kl_per_token(b, a), torch.zeros(6))
+    logits = [torch.randn(6, 3, 6, generator=gen).requires_grad_(True) for _ in range(2)]
+    student = [z.masked_fill(~causal[:, None, :], float("-inf")).softmax(-1) for z in logits]
+    src = [x.clone().requires_grad_(True) for x in a]
+    kl = attention_kl_per_token(student, src)
+    assert kl.shape == (6,) and torch.isfinite(kl).all()
+    assert kl[0] == 0 and (kl[1:] > 0).all()  # the first token has one key: every head's row is [1, 0, ...]
+    by_hand = sum((x * (x.log() - y.log())).nan_to_num().sum(-1).mean(-1) for x, y in zip(a, student)) / 2
+    torch.testing.assert_close(kl, by_hand.detach())
+    kl.sum().backward()
+    assert all(z.grad is not None and z.grad.abs().sum() > 0 for z in logits)
+    assert all(x.grad is None for x in src)
+    with pytest.raises(ValueError, match="same number of query heads"):
+        attention_kl_per_token([s[:, :2] for s in student], a)
+
+
+def test_attention_maps_need_as_many_query_heads_on_both_sides():
+    from types import SimpleNamespace
+
+    from ecomla.distill.models import check_layers
+
+    student = SimpleNamespace(num_hidden_layers=2, hidden_size=64, num_attention_heads=4)
+    fewer = SimpleNamespace(num_hidden_layers=2, hidden_size=64, num_attention_heads=2)
+    assert check_layers(student, fewer, "teacher.ild_model", "src") is None  # hidden states: heads do not matter
+    assert "2 query heads, the student 4" in check_layers(student, fewer, "teacher.ild_model", "src", heads=True)
 
 
 def test_ild_config_checks():
@@ -73,6 +108,52 @@ def test_layer_catch_sees_blocks_and_attention_and_feeds_inputs(world):
     with torch.no_grad(), LayerCatch(ILDTarget.BLOCK, feed=block.inputs).on(src) as fed:
         src.get_decoder()(input_ids=torch.zeros_like(ids))  # other tokens: only layer 0's embeddings differ...
     torch.testing.assert_close(fed.outputs[1:], block.outputs[1:])  # ... and they are replaced by the feed
+
+
+def test_layer_catch_sees_attention_maps_of_eager_attention_only(world):
+    ids = torch.randint(0, 200, (2, 12), generator=torch.Generator().manual_seed(0))
+    for path in (world["root"] / "base", world["student"]):  # the Llama source and its MLA conversion
+        model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+        with torch.no_grad(), LayerCatch(ILDTarget.ATTENTION_MAP).on(model) as maps:
+            model.get_decoder()(input_ids=ids)
+        heads = model.config.num_attention_heads
+        assert maps.caught and all(m.shape == (2, heads, 12, 12) for m in maps.outputs)
+        torch.testing.assert_close(maps.outputs[0].sum(-1), torch.ones(2, heads, 12))  # probabilities
+        assert maps.outputs[0].triu(1).abs().max() == 0  # causal: no future key
+        valid = torch.zeros(2, 12, dtype=torch.bool)
+        valid[0, 3], valid[1, 5] = True, True
+        rows = maps.rows(valid)
+        assert rows[0].shape == (2, heads, 12)
+        torch.testing.assert_close(rows[0][1], maps.outputs[0][1, :, 5])  # query 5 of sequence 1, every head
+    sdpa = AutoModelForCausalLM.from_pretrained(world["student"], attn_implementation="sdpa").eval()
+    with pytest.raises(RuntimeError, match="attn_implementation='eager'"):
+        with torch.no_grad(), LayerCatch(ILDTarget.ATTENTION_MAP).on(sdpa):
+            sdpa.get_decoder()(input_ids=ids)
+
+
+def test_the_attention_map_loss_is_zero_for_the_source_and_trains_only_the_student(world):
+    from ecomla.distill.trainer import batch_loss
+
+    tokens = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(1))
+    batch = {"tokens": tokens, "segments": torch.ones_like(tokens), "loss_mask": torch.ones_like(tokens, dtype=torch.bool)}
+    spec = LossConfig(kind="none", kd_weight=0.0, ce_weight=0.0, ild_weight=1.0, ild_target="attention_map")
+    source = AutoModelForCausalLM.from_pretrained(world["root"] / "base", attn_implementation="eager")
+
+    def loss(student):
+        return batch_loss(student, None, batch, [0, 1], spec, cross_document=False, dtype=torch.float32,
+                          device=torch.device("cpu"), chunk_tokens=64, ild_source=source)
+
+    same = AutoModelForCausalLM.from_pretrained(world["root"] / "base", attn_implementation="eager")
+    assert float(loss(same).ild.detach()) == 0.0
+    student = AutoModelForCausalLM.from_pretrained(world["student"], attn_implementation="eager")
+    sums = loss(student)
+    assert float(sums.ild) > 0 and torch.equal(sums.total, sums.ild)
+    sums.total.backward()
+    grads = {n for n, p in student.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+    assert any("kv_a_proj_with_mqa" in n for n in grads) and any("q_proj" in n for n in grads)
+    last = f"layers.{student.config.num_hidden_layers - 1}."  # nothing after the last attention map is trained
+    assert not any(last + "mlp" in n or last + "self_attn.o_proj" in n or "lm_head" in n for n in grads), grads
+    assert all(p.grad is None for p in source.parameters())
 
 
 def test_the_ild_loss_is_zero_for_the_source_itself_and_positive_for_its_conversion(world, tmp_path):
@@ -126,3 +207,13 @@ def test_ild_and_kd_give_the_same_losses_on_one_and_two_processes(world, tmp_pat
         for key in ("loss", "kd", "ild"):
             assert a[key] == pytest.approx(b[key], rel=1e-4), (a["step"], key, a[key], b[key])
     assert runs[1][0]["ild"] > 0
+
+
+def test_an_attention_map_run_loads_eager_attention_and_its_loss_falls(world, tmp_path):
+    """ILD on attention maps alone, the student's source live: the trainer loads both models with eager attention
+    (else the hooks raise) and the KL of the attention rows falls as it trains."""
+    r = _ild_recipe(world, tmp_path / "maps", kd_weight=0.0, ild_target="attention_map")
+    proc = w.run(w.write_recipe(tmp_path / "maps.yaml", r))
+    assert proc.returncode == 0, w.errors(proc)
+    ild = [x["ild"] for x in w.metrics(tmp_path / "maps") if not x.get("final_eval")]
+    assert ild[0] > 0 and sum(ild[-3:]) < 0.9 * sum(ild[:3]), ild
