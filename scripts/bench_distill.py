@@ -26,6 +26,8 @@ Five measurements, each reported as a ratio of things measured side by side in t
 4. With --real: the cost of intermediate-layer distillation (loss.ild_weight) on those checkpoints, the
    teacher serving as the ILD source: a KD step with and without it (loss.recompute false), each step kind in a
    child of its own, so that its peak RSS is its own; ILD / KD for the median step time and for the peak RSS.
+   The same for ILD on attention maps (loss.ild_target attention_map), whose child loads both models with eager
+   attention as the trainer does, against the KD step as the trainer runs it alone (transformers' default).
 
 5. With --real: the optimizer update on one process, as `ecomla distill` runs it (DeepSpeed ZeRO-0, fp32, AdamW;
    one sequence of 512 per step: the main job's step) on the real student: a step of student forward + CE +
@@ -98,8 +100,11 @@ def child_kd(spec: dict) -> dict:
     if "student_dir" in spec:  # the real-model case: checkpoints from disk, fp32
         from transformers import AutoModelForCausalLM
 
-        student = AutoModelForCausalLM.from_pretrained(spec["student_dir"], dtype=torch.float32).train()
-        teacher = AutoModelForCausalLM.from_pretrained(spec["teacher_dir"], dtype=torch.float32)
+        attn = spec.get("attn")  # "eager" for attention maps, as the trainer loads them; None: the default
+        student = AutoModelForCausalLM.from_pretrained(spec["student_dir"], dtype=torch.float32,
+                                                       attn_implementation=attn).train()
+        teacher = AutoModelForCausalLM.from_pretrained(spec["teacher_dir"], dtype=torch.float32,
+                                                       attn_implementation=attn)
         teacher = teacher.eval().requires_grad_(False)
         spec["vocab"] = student.config.vocab_size
     else:
@@ -110,8 +115,9 @@ def child_kd(spec: dict) -> dict:
     batch = {"tokens": tokens, "segments": torch.ones(B, T, dtype=torch.long), "loss_mask": torch.ones(B, T)}
     live = LiveTeacher(teacher, 1.0)
 
-    def kd_step(recompute: bool = True, ild: float = 0.0) -> None:
-        sums = batch_loss(student, live, batch, list(range(B)), LossConfig(recompute=recompute, ild_weight=ild),
+    def kd_step(recompute: bool = True, ild: float = 0.0, target: str = "block") -> None:
+        spec_ = LossConfig(recompute=recompute, ild_weight=ild, ild_target=target)
+        sums = batch_loss(student, live, batch, list(range(B)), spec_,
                           cross_document=True, dtype=torch.float32, device=torch.device("cpu"), chunk_tokens=1024,
                           ild_source="teacher" if ild else None)
         (sums.total / sums.tokens).backward()
@@ -128,7 +134,8 @@ def child_kd(spec: dict) -> dict:
              "teacher_forward": teacher_forward}
     if spec.get("only"):  # one step kind alone, so that this child's peak RSS is that step's (part 4: ILD)
         steps = {spec["only"]: {"kd_step_no_recompute": lambda: kd_step(False),
-                                "kd_ild_step": lambda: kd_step(False, ild=1.0)}[spec["only"]]}
+                                "kd_ild_step": lambda: kd_step(False, ild=1.0),
+                                "kd_maps_step": lambda: kd_step(False, ild=1.0, target="attention_map")}[spec["only"]]}
     times: dict[str, list[float]] = {name: [] for name in steps}
     for i in range(spec["warmup"] + spec["repeats"]):
         for name, fn in steps.items():  # interleaved, so a change of machine load hits all three alike
@@ -202,16 +209,18 @@ def bench_ild(size: dict, threads: int, work: Path, student: str, teacher: str) 
     """Part 4: a KD step with and without intermediate-layer distillation (the teacher as the ILD source, so
     one teacher forward serves both), each in a child of its own: median step time and peak RSS, as ratios."""
     rows = {}
-    for name in ("kd_step_no_recompute", "kd_ild_step"):
+    for name in ("kd_step_no_recompute", "kd_ild_step", "kd_maps_step"):
         print(f"  ild: {name} ...", flush=True)
         spec = {**size, "only": name, "threads": threads, "student_dir": str(Path(student).resolve()),
-                "teacher_dir": str(Path(teacher).resolve())}
+                "teacher_dir": str(Path(teacher).resolve()), "attn": "eager" if name == "kd_maps_step" else None}
         res, rss = child("kd", spec, work, f"ild_{name}", MALLOC)
         rows[name] = {"median_s": res[name]["median_s"], "all_s": res[name]["all_s"], "maxrss_bytes": rss}
-    kd, ild = rows["kd_step_no_recompute"], rows["kd_ild_step"]
+    kd, ild, maps = rows["kd_step_no_recompute"], rows["kd_ild_step"], rows["kd_maps_step"]
     return {"sizes": {**size, "student": student, "teacher": teacher}, "runs": rows, "threads": threads,
             "time_ild_over_kd": ild["median_s"] / kd["median_s"],
-            "peak_rss_ild_over_kd": ild["maxrss_bytes"] / kd["maxrss_bytes"]}
+            "peak_rss_ild_over_kd": ild["maxrss_bytes"] / kd["maxrss_bytes"],
+            "time_maps_over_kd": maps["median_s"] / kd["median_s"],
+            "peak_rss_maps_over_kd": maps["maxrss_bytes"] / kd["maxrss_bytes"]}
 
 
 def child_mem(spec: dict) -> dict:
@@ -413,10 +422,12 @@ def print_tables(r: dict) -> None:
         x, s = r["ild"], r["ild"]["sizes"]
         print(f"\n4. Intermediate-layer distillation on {s['student']} from {s['teacher']} ({s['batch']}x{s['seq']} "
               f"tokens, loss.recompute false, {x['threads']} threads; each step kind in its own child)")
-        for name, label in (("kd_step_no_recompute", "KD step"), ("kd_ild_step", "KD + ILD step (ild_weight 1)")):
+        for name, label in (("kd_step_no_recompute", "KD step"), ("kd_ild_step", "KD + ILD step (ild_weight 1)"),
+                            ("kd_maps_step", "KD + attention maps (eager)")):
             row = x["runs"][name]
             print(f"  {label:<30} {row['median_s']:8.3f} s   peak RSS {row['maxrss_bytes'] / MiB:8.0f} MiB")
         print(f"  time ILD / KD {x['time_ild_over_kd']:.3f}   peak RSS ILD / KD {x['peak_rss_ild_over_kd']:.3f}")
+        print(f"  time maps / KD {x['time_maps_over_kd']:.3f}   peak RSS maps / KD {x['peak_rss_maps_over_kd']:.3f}")
     if "update" in r:
         x, s = r["update"], r["update"]["sizes"]
         print(f"\n5. The one-process update on {s['student']} ({s['batch']}x{s['seq']} tokens, DeepSpeed ZeRO-0, fp32, "
