@@ -314,19 +314,30 @@ def token_loss(
     return total, kd, ce
 
 
+def _mean_over_layers(student: list[Tensor], source: list[Tensor], per_layer: Callable[[Tensor, Tensor], Tensor]
+                      ) -> Tensor:
+    """(1/L)·Σ_l per_layer(student_l, source_l detached, as float32): the one loop of both ILD terms."""
+    if len(student) != len(source) or not student:
+        raise ValueError(f"ILD needs the same number of layers on both sides, got {len(student)} and {len(source)}")
+    return sum(per_layer(s.float(), t.detach().float()) for s, t in zip(student, source)) / len(student)
+
+
 def ild_per_token(student: list[Tensor], source: list[Tensor]) -> Tensor:
     """Mean over layers of ‖h_l − t_l‖² / ‖t_l‖² per token: L pairs of (N, d) -> (N,) float32.
 
     The source's layers carry no gradient; a token whose source state is all zeros compares against a norm of 1.
     """
-    if len(student) != len(source) or not student:
-        raise ValueError(f"ILD needs the same number of layers on both sides, got {len(student)} and {len(source)}")
-    total = None
-    for h, t in zip(student, source):
-        t = t.detach().float()
-        err = (h.float() - t).square().sum(-1) / t.square().sum(-1).clamp_min(1e-12)  # (N,)
-        total = err if total is None else total + err
-    return total / len(student)
+    return _mean_over_layers(student, source,
+                             lambda h, t: (h - t).square().sum(-1) / t.square().sum(-1).clamp_min(1e-12))
+
+
+def _attention_kl(b: Tensor, a: Tensor) -> Tensor:
+    """KL(a‖b) over the keys, averaged over heads: (N, H, T) rows, a the source's -> (N,)."""
+    if b.shape != a.shape:
+        raise ValueError(f"attention maps of shape {tuple(b.shape)} (student) and {tuple(a.shape)} (source): "
+                         "attention_map needs the same number of query heads on both sides")
+    # a·log b with b clamped: a row's key that the student's softmax underflowed to 0 costs a·69, not inf
+    return (torch.xlogy(a, a) - torch.xlogy(a, b.clamp_min(1e-30))).sum(-1).mean(-1)
 
 
 def attention_kl_per_token(student: list[Tensor], source: list[Tensor]) -> Tensor:
@@ -334,18 +345,7 @@ def attention_kl_per_token(student: list[Tensor], source: list[Tensor]) -> Tenso
     student's: L pairs of (N, H, T) probabilities -> (N,) float32. Keys neither model attends to (the causal
     mask's) add 0; the source's rows carry no gradient.
     """
-    if len(student) != len(source) or not student:
-        raise ValueError(f"ILD needs the same number of layers on both sides, got {len(student)} and {len(source)}")
-    total = None
-    for b, a in zip(student, source):
-        if b.shape != a.shape:
-            raise ValueError(f"attention maps of shape {tuple(b.shape)} (student) and {tuple(a.shape)} (source): "
-                             "attention_map needs the same number of query heads on both sides")
-        a = a.detach().float()
-        # a·log b with b clamped: a row's key that the student's softmax underflowed to 0 costs a·69, not inf
-        kl = (torch.xlogy(a, a) - torch.xlogy(a, b.float().clamp_min(1e-30))).sum(-1).mean(-1)  # (N,)
-        total = kl if total is None else total + kl
-    return total / len(student)
+    return _mean_over_layers(student, source, _attention_kl)
 
 
 @dataclass
